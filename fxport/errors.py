@@ -1,0 +1,105 @@
+"""Typed errors: every failure carries the stage, a code, and what the user can do about it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# CLI exit codes (DESIGN.md §4).
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_UNREACHABLE = 4
+
+
+class FxportError(Exception):
+    """Base error. `message` says what went wrong, `hint` what to do about it."""
+
+    code = "internal"
+    exit_code = EXIT_FAILED
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str | None = None,
+        hint: str | None = None,
+        field: str | None = None,
+        detail: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.stage = stage
+        self.hint = hint
+        self.field = field
+        self.detail = detail
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.hint:
+            text += f" — {self.hint}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "code": self.code,
+            "message": str(self),
+            "detail": self.detail,
+            "field": self.field,
+        }
+
+
+class InvalidInput(FxportError):
+    """The user's input (spec, model file, shapes, calibration data) is wrong. Exit 2."""
+
+    code = "invalid_input"
+    exit_code = EXIT_USAGE
+
+
+class SpecError(InvalidInput):
+    """The job spec failed validation; `violations` lists (field path, message)."""
+
+    code = "invalid_spec"
+
+    def __init__(self, violations: list[tuple[str, str]]) -> None:
+        self.violations = violations
+        lines = [f"{path}: {msg}" for path, msg in violations]
+        super().__init__(
+            "invalid job spec:\n  " + "\n  ".join(lines),
+            stage="submit",
+            field=violations[0][0] if violations else None,
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UnsupportedModelFormat(InvalidInput):
+    code = "unsupported_format"
+
+
+class CaptureFailed(InvalidInput):
+    """No rung of the capture ladder could turn the model into a graph."""
+
+    code = "capture_failed"
+
+
+class ConversionFailed(FxportError):
+    """A pass or exporter failed on a model that loaded and captured."""
+
+    code = "conversion_failed"
+
+
+class VerificationFailed(FxportError):
+    """An artifact does not compute what the original model computes."""
+
+    code = "verification_failed"
+
+
+class ResourceLimitExceeded(FxportError):
+    code = "resource_limit"
+
+
+class JobCancelled(FxportError):
+    code = "cancelled"

@@ -1,0 +1,460 @@
+"""The job spec: one pydantic model shared by the CLI, the API, the workers and the manifest.
+
+Validation errors name the field path and the valid choices (see `parse_spec`).
+This module must stay light: the API server and the thin client import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fxport.errors import SpecError
+
+TARGETS = ("torchscript", "onnx", "exported_program", "fx_source", "tensorrt")
+Target = Literal["torchscript", "onnx", "exported_program", "fx_source", "tensorrt"]
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"]
+IRLevel = Literal["torch", "aten"]
+
+# Server-side ceilings that no spec may exceed (DESIGN.md §6).
+MAX_INPUTS = 32
+MAX_RANK = 8
+MAX_DIM = 1 << 16
+MAX_ELEMENTS_PER_INPUT = 1 << 28
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Pass options and the pass catalog. This is the ONE registry of passes: names, options,
+# the IR levels each works on, and where its function lives (imported lazily by workers).
+# ---------------------------------------------------------------------------------------
+
+
+class NoOptions(_Strict):
+    pass
+
+
+class FuseConvBnOptions(_Strict):
+    linear: bool = Field(True, description="Also fold BatchNorm1d that follows a Linear.")
+
+
+class FoldConstantsOptions(_Strict):
+    max_elements: int = Field(
+        1 << 22, ge=1, description="Skip folding a subgraph whose result has more elements than this."
+    )
+
+
+class SubstituteOpsOptions(_Strict):
+    swaps: list[str] = Field(
+        default_factory=lambda: ["relu6_to_hardtanh"],
+        description="Names from the substitution allowlist, applied in order.",
+    )
+    allow_numerics_change: bool = Field(
+        False, description="Permit swaps flagged as changing numerics (e.g. exact → tanh GELU)."
+    )
+
+
+class ProfileNodesOptions(_Strict):
+    runs: int = Field(5, ge=1, le=100, description="Timed runs per node (after one warm-up).")
+    top: int = Field(10, ge=1, le=100, description="How many of the slowest nodes go in the manifest.")
+
+
+class PassInfo(BaseModel):
+    name: str
+    summary: str
+    options: type[BaseModel]
+    levels: tuple[IRLevel, ...]
+    function: str  # "module:function", imported only by the engine
+    needs_gpu: bool = False
+
+
+PASS_CATALOG: dict[str, PassInfo] = {
+    p.name: p
+    for p in [
+        PassInfo(
+            name="fuse_conv_bn",
+            summary="Conv → BatchNorm(eval) ⇒ one Conv (also Linear → BatchNorm1d)",
+            options=FuseConvBnOptions,
+            levels=("torch", "aten"),
+            function="fxport.workers.engine.passes.fuse_conv_bn:fuse_conv_bn",
+        ),
+        PassInfo(
+            name="remove_dropout",
+            summary="Dropout (identity in eval) ⇒ removed",
+            options=NoOptions,
+            levels=("torch", "aten"),
+            function="fxport.workers.engine.passes.remove_dropout:remove_dropout",
+        ),
+        PassInfo(
+            name="dead_code_elimination",
+            summary="nodes whose results nobody uses ⇒ removed",
+            options=NoOptions,
+            levels=("torch", "aten"),
+            function="fxport.workers.engine.passes.dead_code_elimination:dead_code_elimination",
+        ),
+        PassInfo(
+            name="fold_constants",
+            summary="subgraphs that depend only on parameters/constants ⇒ precomputed buffers",
+            options=FoldConstantsOptions,
+            levels=("torch", "aten"),
+            function="fxport.workers.engine.passes.fold_constants:fold_constants",
+        ),
+        PassInfo(
+            name="substitute_ops",
+            summary="allowlisted op swaps, each flagged numerics-preserving or not",
+            options=SubstituteOpsOptions,
+            levels=("torch", "aten"),
+            function="fxport.workers.engine.passes.substitute_ops:substitute_ops",
+        ),
+        PassInfo(
+            name="profile_nodes",
+            summary="per-node timing through an Interpreter; top nodes into the manifest",
+            options=ProfileNodesOptions,
+            levels=("torch", "aten"),
+            function="fxport.workers.engine.passes.profile_nodes:profile_nodes",
+        ),
+    ]
+}
+PASS_NAMES = tuple(PASS_CATALOG)
+DEFAULT_PASSES = ("fuse_conv_bn", "remove_dropout", "dead_code_elimination")
+
+
+class PassSpec(_Strict):
+    name: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> "PassSpec":
+        info = PASS_CATALOG.get(self.name)
+        if info is None:
+            raise ValueError(f"unknown pass {self.name!r}; valid passes: {', '.join(PASS_NAMES)}")
+        try:
+            parsed = info.options.model_validate(self.options)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            valid = ", ".join(info.options.model_fields) or "none"
+            raise ValueError(
+                f"pass {self.name!r} option {where!r}: {_plain(first)} (valid options: {valid})"
+            ) from None
+        self.options = parsed.model_dump()
+        return self
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs and the rest of the spec
+# ---------------------------------------------------------------------------------------
+
+
+class DynamicDim(_Strict):
+    min: int = Field(ge=1, le=MAX_DIM)
+    opt: int = Field(ge=1, le=MAX_DIM)
+    max: int = Field(ge=1, le=MAX_DIM)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "DynamicDim":
+        if not (self.min <= self.opt <= self.max):
+            raise ValueError(f"need min <= opt <= max, got min={self.min}, opt={self.opt}, max={self.max}")
+        return self
+
+
+class InputSpec(_Strict):
+    name: str
+    shape: list[Union[int, str]] = Field(min_length=0, max_length=MAX_RANK)
+    dtype: DType = "float32"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be an identifier: letters, digits and _, at most 64 characters")
+        return v
+
+    @field_validator("shape")
+    @classmethod
+    def _shape(cls, v: list[Union[int, str]]) -> list[Union[int, str]]:
+        for i, d in enumerate(v):
+            if isinstance(d, int) and not (1 <= d <= MAX_DIM):
+                raise ValueError(f"dim {i} is {d}; a static dim must be between 1 and {MAX_DIM}")
+            if isinstance(d, str) and not _NAME.match(d):
+                raise ValueError(f"dim {i} {d!r}: a dynamic dim name must be an identifier")
+        return v
+
+
+class CalibrationSpec(_Strict):
+    samples: int = Field(64, ge=1, le=100_000)
+    observer: Literal["minmax", "percentile", "entropy"] = "minmax"
+
+
+class QuantizationSpec(_Strict):
+    method: Literal["static"] = "static"
+    calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
+    target_cosine: float | None = Field(None, gt=0, le=1)
+
+
+class OnnxOptions(_Strict):
+    opset: int = Field(20, ge=18, le=23, description="ONNX opset; the torch.export exporter needs >= 18.")
+    single_file: bool = True
+
+
+class TorchScriptOptions(_Strict):
+    method: Literal["trace", "script"] = "trace"
+
+
+class TensorRTOptions(_Strict):
+    workspace_mb: int = Field(4096, ge=64, le=1 << 20)
+    timing_cache: Literal["shared", "none"] = "shared"
+
+
+class VerifyOptions(_Strict):
+    atol: float = Field(1e-4, ge=0)
+    rtol: float = Field(1e-3, ge=0)
+    min_cosine: float = Field(0.999, ge=-1, le=1)
+    samples: int = Field(4, ge=1, le=64)
+    seed: int = 0
+    fail_on_mismatch: bool = True
+
+
+class Limits(_Strict):
+    """Per-job resource limits, clamped to the server's maximums."""
+
+    timeout_s: int = Field(900, ge=10, le=24 * 3600)
+    memory_mb: int = Field(8192, ge=256, le=1 << 20)
+
+
+class JobSpec(_Strict):
+    inputs: list[InputSpec] = Field(default_factory=list, max_length=MAX_INPUTS)
+    dynamic_dims: dict[str, DynamicDim] = Field(default_factory=dict)
+    targets: list[Target] = Field(
+        default_factory=lambda: ["torchscript", "onnx", "exported_program", "fx_source"], min_length=1
+    )
+    capture: Literal["auto", "fx", "export"] = "auto"
+    passes: list[PassSpec] = Field(default_factory=lambda: [PassSpec(name=n) for n in DEFAULT_PASSES])
+    precision: Literal["fp32", "fp16", "int8"] = "fp32"
+    quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
+    onnx: OnnxOptions = Field(default_factory=OnnxOptions)
+    torchscript: TorchScriptOptions = Field(default_factory=TorchScriptOptions)
+    tensorrt: TensorRTOptions = Field(default_factory=TensorRTOptions)
+    verify: VerifyOptions = Field(default_factory=VerifyOptions)
+    limits: Limits = Field(default_factory=Limits)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=32)
+
+    @field_validator("targets")
+    @classmethod
+    def _unique_targets(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not re.match(r"^[A-Za-z0-9_.\-/]{1,63}$", k):
+                raise ValueError(f"label key {k!r}: use 1-63 of letters, digits, _ . - /")
+            if len(val) > 256:
+                raise ValueError(f"label {k!r}: value longer than 256 characters")
+        return v
+
+    @field_validator("dynamic_dims")
+    @classmethod
+    def _dim_names(cls, v: dict[str, DynamicDim]) -> dict[str, DynamicDim]:
+        for k in v:
+            if not _NAME.match(k):
+                raise ValueError(f"dynamic dim name {k!r} must be an identifier")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "JobSpec":
+        names = [i.name for i in self.inputs]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"inputs: duplicate input names {sorted(dup)}")
+        used: set[str] = set()
+        for idx, inp in enumerate(self.inputs):
+            elements = 1
+            for d_i, d in enumerate(inp.shape):
+                if isinstance(d, str):
+                    used.add(d)
+                    if d not in self.dynamic_dims:
+                        raise ValueError(
+                            f"inputs[{idx}].shape[{d_i}] names dynamic dim {d!r}, which has no range; "
+                            f"add dynamic_dims: {{{d}: {{min: 1, opt: 8, max: 64}}}}"
+                        )
+                    elements *= self.dynamic_dims[d].max
+                else:
+                    elements *= d
+            if elements > MAX_ELEMENTS_PER_INPUT:
+                raise ValueError(
+                    f"inputs[{idx}] ({inp.name}) has up to {elements} elements; the limit is {MAX_ELEMENTS_PER_INPUT}"
+                )
+        unused = set(self.dynamic_dims) - used
+        if unused and self.inputs:
+            raise ValueError(f"dynamic_dims {sorted(unused)} are not used by any input shape")
+        if self.precision != "int8" and self.quantization.target_cosine is not None:
+            raise ValueError("quantization.target_cosine is set but precision is not int8")
+        return self
+
+    # -- derived -------------------------------------------------------------------------
+
+    def normalized(self) -> dict[str, Any]:
+        """The spec with every default filled in, as plain JSON data (for manifest + cache key)."""
+        return self.model_dump(mode="json")
+
+    def digest(self) -> str:
+        """sha256 of the normalized spec: key order and omitted defaults do not change it."""
+        blob = json.dumps(self.normalized(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing with errors a person can act on
+# ---------------------------------------------------------------------------------------
+
+
+def _plain(err: dict[str, Any]) -> str:
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return "unknown key"
+    msg = err.get("msg", "invalid")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if kind == "literal_error":
+        msg = f"{msg} (got {err.get('input')!r})"
+    return msg
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            # pydantic inserts union-branch tags ("int", "str", "function-after[...]"); drop them
+            if part in ("int", "str") or "[" in str(part):
+                continue
+            out += ("." if out else "") + str(part)
+    return out or "spec"
+
+
+def _valid_keys_hint(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """For an unknown key, list the keys valid at that place in the spec."""
+    current: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int) or current is None:
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return ""
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        current = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    if current is None:
+        return ""
+    return "; valid keys here: " + ", ".join(current.model_fields)
+
+
+def parse_spec(data: dict[str, Any] | None) -> JobSpec:
+    """Validate a spec mapping. Raises SpecError listing every violation with its field path."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError([("spec", f"must be a mapping of keys to values, got {type(data).__name__}")])
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        violations = []
+        for err in exc.errors():
+            path = _loc(tuple(err["loc"]))
+            msg = _plain(err)
+            if err.get("type") == "extra_forbidden":
+                msg = f"unknown key {err['loc'][-1]!r}{_valid_keys_hint(JobSpec, tuple(err['loc']))}"
+            violations.append((path, msg))
+        raise SpecError(violations) from None
+
+
+def load_spec_text(text: str, *, source: str = "spec") -> dict[str, Any]:
+    """Parse YAML or JSON (JSON is YAML) text into a mapping; syntax errors name the line."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError([(source, f"not valid YAML/JSON{where}: {problem}")]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SpecError([(source, f"must be a mapping of keys to values, got {type(data).__name__}")])
+    return data
+
+
+def load_spec_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise SpecError([(str(p), f"cannot read spec file: {exc.strerror}")]) from None
+    return load_spec_text(text, source=p.name)
+
+
+def parse_input_flag(flag: str) -> dict[str, Any]:
+    """`--input NAME:DIMS:DTYPE`, DIMS like `batch,3,224,224` → an InputSpec mapping."""
+    parts = flag.split(":")
+    if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
+        raise SpecError([("--input", f"{flag!r}: expected NAME:DIMS[:DTYPE], e.g. x:batch,3,224,224:float32")])
+    dims: list[int | str] = [int(d) if d.strip().lstrip("-").isdigit() else d.strip() for d in parts[1].split(",")]
+    out: dict[str, Any] = {"name": parts[0], "shape": dims}
+    if len(parts) == 3:
+        out["dtype"] = parts[2]
+    return out
+
+
+def parse_range_flag(flag: str, name: str = "--dynamic-batch") -> dict[str, int]:
+    """`MIN:OPT:MAX` → a DynamicDim mapping."""
+    parts = flag.split(":")
+    try:
+        lo, opt, hi = (int(p) for p in parts)
+    except ValueError:
+        raise SpecError([(name, f"{flag!r}: expected MIN:OPT:MAX integers, e.g. 1:8:64")]) from None
+    return {"min": lo, "opt": opt, "max": hi}
+
+
+def spec_from_flags(
+    base: dict[str, Any] | None = None,
+    *,
+    targets: list[str] | None = None,
+    inputs: list[str] | None = None,
+    dynamic_batch: str | None = None,
+    passes: list[str] | None = None,
+    precision: str | None = None,
+) -> dict[str, Any]:
+    """Overlay CLI flags on a spec mapping (flags win). Returns a mapping for `parse_spec`."""
+    data = dict(base or {})
+    if targets:
+        data["targets"] = list(targets)
+    if inputs:
+        data["inputs"] = [parse_input_flag(f) for f in inputs]
+    if dynamic_batch:
+        dims = dict(data.get("dynamic_dims") or {})
+        dims["batch"] = parse_range_flag(dynamic_batch)
+        data["dynamic_dims"] = dims
+    if passes:
+        data["passes"] = list(passes)
+    if precision:
+        data["precision"] = precision
+    return data

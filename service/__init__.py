@@ -1,0 +1,1 @@
+"""gRPC API server: servicers, interceptors, upload spooling, the embedded worker pool."""

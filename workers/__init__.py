@@ -1,0 +1,1 @@
+"""Celery app, thin tasks, the conversion engine and the sandbox."""
