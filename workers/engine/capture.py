@@ -1,0 +1,167 @@
+"""The capture ladder: turn a loaded model into an FX GraphModule, recording every rung tried.
+
+Rungs, in order (DESIGN.md §5): torch.fx.symbolic_trace (torch level, readable) →
+torch.export non-strict → torch.export strict, then FX on `ep.module()` (aten level).
+Most third-party models fail the first rung and pass the second: aten level is the common case.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from fxport.errors import CaptureFailed, InvalidInput
+from fxport.workers.engine.inputs import InputSignature
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_ENGINE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Captured:
+    graph_module: GraphModule
+    level: str  # "torch" | "aten"
+    method: str  # "fx" | "export"
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def user_source_line(exc: BaseException) -> str | None:
+    """The innermost traceback frame in the user's code (not torch, not fxport), as 'file:line: code'."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        fname = os.path.abspath(frame.filename)
+        if fname.startswith(_TORCH_DIR) or fname.startswith(_ENGINE_DIR):
+            continue
+        if frame.filename.startswith("<"):
+            continue
+        code = (frame.line or "").strip()
+        return f"{os.path.basename(frame.filename)}:{frame.lineno}: {code}" if code else f"{frame.filename}:{frame.lineno}"
+    # torch.export puts the user's frame in the message text
+    for line in str(exc).splitlines():
+        line = line.strip()
+        if line.startswith("File ") and ", line " in line and "/torch/" not in line:
+            return line
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {str(exc).strip()}"
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first[:500]
+
+
+def probe_forward(module: Any, args: tuple[Any, ...], sig: InputSignature) -> None:
+    """Run the eager model once so a shape the model can't take fails early, naming the input."""
+    try:
+        with torch.no_grad():
+            module(*args)
+    except Exception as exc:
+        where = user_source_line(exc)
+        shapes = ", ".join(f"{i.name}{list(a.shape)}" for i, a in zip(sig.inputs, args))
+        raise InvalidInput(
+            f"the model fails on inputs {shapes}: {_reason(exc)}" + (f" (at {where})" if where else ""),
+            stage="capture",
+            field="inputs",
+            hint="check spec.inputs shapes and dtypes against what the model's forward() expects",
+        ) from exc
+
+
+def capture_ladder(loaded: Any, sig: InputSignature, mode: str = "auto") -> Captured:
+    """Capture `loaded.module` as an FX graph. `mode`: auto (the ladder) | fx | export."""
+    if loaded.format == "torch_export":
+        # The archive already is an export graph: that rung ran on the user's machine.
+        return Captured(
+            graph_module=fx_from_exported(loaded.exported_program), level="aten", method="export",
+            attempts=[{"method": "export", "ok": True, "note": "input is a torch.export archive; graph used as exported"}],
+        )
+    module = loaded.module
+    args = sig.make_inputs(sig.export_point(), seed=0)
+    probe_forward(module, args, sig)
+    attempts: list[dict[str, Any]] = []
+
+    rungs = []
+    if mode in ("auto", "fx"):
+        rungs.append(("fx", None))
+    if mode in ("auto", "export"):
+        rungs += [("export", False), ("export", True)]
+
+    for method, strict in rungs:
+        try:
+            if method == "fx":
+                gm = _symbolic_trace(module)
+                _check_same(gm, module, args)
+                attempts.append({"method": "fx", "ok": True})
+                return Captured(gm, "torch", "fx", attempts)
+            gm = _export(module, args, sig, strict=bool(strict))
+            attempts.append({"method": "export", "strict": strict, "ok": True})
+            return Captured(gm, "aten", "export", attempts)
+        except Exception as exc:
+            record: dict[str, Any] = {"method": method, "ok": False, "error": _reason(exc)}
+            if strict is not None:
+                record["strict"] = strict
+            where = user_source_line(exc)
+            if where:
+                record["source_line"] = where
+            attempts.append(record)
+
+    summary = "; ".join(
+        f"{a['method']}{' (strict)' if a.get('strict') else ''}: {a['error']}"
+        + (f" at {a['source_line']}" if a.get("source_line") else "")
+        for a in attempts
+    )
+    err = CaptureFailed(
+        f"no capture method could turn the model into a graph — {summary}",
+        stage="capture",
+        hint="make the failing line traceable (torch.cond for data-dependent branches, no Python side effects "
+        "in forward), or submit a .pt2 you exported yourself",
+    )
+    err.attempts = attempts  # type: ignore[attr-defined]
+    raise err
+
+
+def _symbolic_trace(module: Any) -> GraphModule:
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError("a TorchScript module cannot be symbolically traced")
+    return torch.fx.symbolic_trace(module)
+
+
+def _check_same(gm: GraphModule, module: Any, args: tuple[Any, ...]) -> None:
+    # symbolic_trace can succeed yet bake in a branch or a shape; catch that at once.
+    with torch.no_grad():
+        ref, got = module(*args), gm(*args)
+    ref_leaves = torch.utils._pytree.tree_leaves(ref)
+    got_leaves = torch.utils._pytree.tree_leaves(got)
+    if len(ref_leaves) != len(got_leaves) or any(
+        isinstance(a, torch.Tensor) and (a.shape != b.shape or not torch.allclose(a, b, atol=1e-5, rtol=1e-4))
+        for a, b in zip(ref_leaves, got_leaves)
+    ):
+        raise RuntimeError("the traced graph computes different outputs than the model (a baked-in branch?)")
+
+
+def _export(module: Any, args: tuple[Any, ...], sig: InputSignature, *, strict: bool) -> GraphModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if isinstance(module, torch.jit.ScriptModule):
+            from torch._export.converter import TS2EPConverter
+
+            ep = TS2EPConverter(module, args).convert()
+            module = ep.module()
+        ep = torch.export.export(module, args, dynamic_shapes=sig.dynamic_shapes(), strict=strict)
+    return fx_from_exported(ep)
+
+
+def fx_from_exported(ep: Any) -> GraphModule:
+    """FX on `ep.module()`: a plain aten-level GraphModule.
+
+    `ep.module()` itself carries pytree specs and a local guard function that can't be
+    pickled (to_folder fails); re-tracing it inlines the guards as torch._assert nodes.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.fx.symbolic_trace(ep.module())

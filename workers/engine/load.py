@@ -1,0 +1,173 @@
+"""Load a user's model file, detecting its format from the content, never the extension.
+
+This is the ONE place a model file is deserialized. Loading runs code from the file
+(.pt2 may fall back to unpickling, torch.package imports packaged code), so it is only
+ever called inside the sandbox process (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fxport.errors import InvalidInput, UnsupportedModelFormat
+
+ACCEPTED = (
+    "a torch.export archive (.pt2, from torch.export.save)",
+    "a torch.package archive (torch.package.PackageExporter with one pickled nn.Module)",
+    "a TorchScript archive (torch.jit.save)",
+    "an ONNX model (only for the onnx and tensorrt targets)",
+)
+ACCEPTED_TEXT = "; ".join(ACCEPTED)
+
+
+@dataclass
+class LoadedModel:
+    format: str  # torch_export | torch_package | torchscript | onnx
+    module: Any = None  # a callable nn.Module (eager reference), None for ONNX
+    exported_program: Any = None  # for torch_export (and TorchScript converted later)
+    onnx_path: Path | None = None
+    example_inputs: tuple[Any, ...] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def detect_format(path: Path) -> str:
+    """Name the model format from the file's bytes. Raises UnsupportedModelFormat."""
+    size = path.stat().st_size
+    if size == 0:
+        raise UnsupportedModelFormat(
+            "the model file is empty (0 bytes)", stage="load", hint=f"upload one of: {ACCEPTED_TEXT}"
+        )
+    with path.open("rb") as fh:
+        head = fh.read(4)
+    if head.startswith(b"PK"):
+        return _detect_zip(path)
+    if _looks_like_onnx(path):
+        return "onnx"
+    raise UnsupportedModelFormat(
+        f"the model file ({size} bytes, starting {head.hex()}) is not a format fxport reads",
+        stage="load",
+        hint=f"accepted: {ACCEPTED_TEXT}",
+    )
+
+
+def _detect_zip(path: Path) -> str:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+            bad = zf.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError) as exc:
+        raise UnsupportedModelFormat(
+            f"the model archive is truncated or corrupt ({exc})",
+            stage="load",
+            hint="re-save the model and upload the complete file; check the upload did not stop early",
+        ) from None
+    if bad is not None:
+        raise UnsupportedModelFormat(
+            f"the model archive is corrupt: entry {bad!r} fails its CRC check",
+            stage="load",
+            hint="re-save the model and upload the complete file",
+        )
+    tails = {n.split("/", 1)[1] if "/" in n else n for n in names}
+    if "archive_format" in tails or any(t.startswith("models/") and t.endswith(".json") for t in tails):
+        return "torch_export"
+    if ".data/extern_modules" in tails:
+        return "torch_package"
+    if "data.pkl" in tails and any(t.startswith("code/") for t in tails):
+        return "torchscript"
+    if "data.pkl" in tails:
+        raise UnsupportedModelFormat(
+            "this is a torch.save checkpoint (a state_dict or a pickled module), which carries no graph",
+            stage="load",
+            hint="export it with torch.export.save(torch.export.export(model, example_args), 'model.pt2'), "
+            "or save it with torch.package",
+        )
+    raise UnsupportedModelFormat(
+        "the file is a zip archive but not one fxport reads", stage="load", hint=f"accepted: {ACCEPTED_TEXT}"
+    )
+
+
+def _looks_like_onnx(path: Path) -> bool:
+    # ONNX has no magic number: parse the protobuf and require a real graph.
+    if path.stat().st_size > (2 << 30):
+        return False
+    try:
+        import onnx
+
+        model = onnx.load_model(str(path), load_external_data=False)
+    except Exception:
+        return False
+    return model.ir_version > 0 and len(model.graph.node) > 0 and len(model.graph.output) > 0
+
+
+def load_model(path: Path) -> LoadedModel:
+    """Deserialize the model at `path` (sandbox only). Raises InvalidInput with what to do."""
+    fmt = detect_format(path)
+    try:
+        if fmt == "torch_export":
+            return _load_pt2(path)
+        if fmt == "torchscript":
+            return _load_torchscript(path)
+        if fmt == "torch_package":
+            return _load_package(path)
+        return LoadedModel(format="onnx", onnx_path=path)
+    except InvalidInput:
+        raise
+    except Exception as exc:
+        raise InvalidInput(
+            f"could not load the {fmt.replace('_', ' ')} archive: {type(exc).__name__}: {exc}",
+            stage="load",
+            hint="check it was saved with the same torch major version and that the file is complete",
+        ) from exc
+
+
+def _load_pt2(path: Path) -> LoadedModel:
+    import torch
+
+    ep = torch.export.load(str(path))
+    example = None
+    if ep.example_inputs is not None:
+        args, kwargs = ep.example_inputs
+        if not kwargs:
+            example = tuple(args)
+    return LoadedModel(format="torch_export", module=ep.module(), exported_program=ep, example_inputs=example)
+
+
+def _load_torchscript(path: Path) -> LoadedModel:
+    import torch
+
+    module = torch.jit.load(str(path), map_location="cpu")
+    module.eval()
+    return LoadedModel(format="torchscript", module=module)
+
+
+def _load_package(path: Path) -> LoadedModel:
+    import torch
+    from torch.package import PackageImporter
+
+    importer = PackageImporter(str(path))
+    pickles = []
+    with zipfile.ZipFile(path) as zf:
+        for name in zf.namelist():
+            inner = name.split("/", 1)[1] if "/" in name else name
+            if inner.endswith(".pkl") and not inner.startswith(".data/"):
+                pickles.append(inner)
+    if len(pickles) != 1:
+        raise InvalidInput(
+            f"the torch.package archive holds {len(pickles)} pickled objects ({', '.join(pickles) or 'none'}); "
+            "fxport needs exactly one, the model",
+            stage="load",
+            hint="save the model with exporter.save_pickle('model', 'model.pkl', model)",
+        )
+    package, _, resource = pickles[0].rpartition("/")
+    obj = importer.load_pickle(package.replace("/", "."), resource, map_location="cpu")
+    if not isinstance(obj, torch.nn.Module):
+        raise InvalidInput(
+            f"the torch.package pickle {pickles[0]!r} holds a {type(obj).__name__}, not a torch.nn.Module",
+            stage="load",
+            hint="pickle the model itself, not its state_dict",
+        )
+    obj.eval()
+    return LoadedModel(format="torch_package", module=obj)

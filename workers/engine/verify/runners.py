@@ -1,0 +1,134 @@
+"""Runners: one interface over every way an artifact executes (`with runner: runner.infer(args)`).
+
+`infer` returns the flat list of output tensors (pytree leaves), so artifacts that return a
+dict, a tuple or a single tensor compare leaf by leaf.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def flatten_outputs(out: Any) -> list[np.ndarray]:
+    leaves = torch.utils._pytree.tree_leaves(out)
+    return [leaf.detach().float().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf) for leaf in leaves]
+
+
+class Runner:
+    name = "runner"
+    runtime = "torch"
+
+    def __enter__(self) -> "Runner":
+        self.activate()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.deactivate()
+
+    def activate(self) -> None:  # load the artifact
+        pass
+
+    def deactivate(self) -> None:
+        pass
+
+    def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+
+class EagerRunner(Runner):
+    """The original model: the reference every artifact is compared with."""
+
+    name, runtime = "eager", "torch"
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+        with torch.no_grad():
+            return flatten_outputs(self.module(*args))
+
+
+class TorchScriptRunner(Runner):
+    name, runtime = "torchscript", "torch.jit"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def activate(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.module = torch.jit.load(str(self.path), map_location="cpu")
+
+    def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return flatten_outputs(self.module(*args))
+
+
+class ExportedProgramRunner(Runner):
+    name, runtime = "exported_program", "torch.export"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def activate(self) -> None:
+        self.module = torch.export.load(str(self.path)).module()
+
+    def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+        with torch.no_grad():
+            return flatten_outputs(self.module(*args))
+
+
+class FxSourceRunner(Runner):
+    """Imports the generated Python source and runs it: proves the source is complete."""
+
+    name, runtime = "fx_source", "python"
+
+    def __init__(self, folder: Path, class_name: str) -> None:
+        self.folder, self.class_name = folder, class_name
+
+    def activate(self) -> None:
+        mod_name = f"_fxport_fx_source_{abs(hash(str(self.folder)))}"
+        spec = importlib.util.spec_from_file_location(mod_name, self.folder / "module.py")
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.modules.pop(mod_name, None)
+        self.module = getattr(module, self.class_name)().eval()
+
+    def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+        with torch.no_grad():
+            return flatten_outputs(self.module(*args))
+
+
+class OnnxRuntimeRunner(Runner):
+    name, runtime = "onnx", "onnxruntime"
+
+    def __init__(self, path: Path, input_names: list[str] | None = None) -> None:
+        self.path, self.input_names = path, input_names
+
+    def activate(self) -> None:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(self.path), opts, providers=["CPUExecutionProvider"])
+        self.feed_names = [i.name for i in self.session.get_inputs()]
+
+    def deactivate(self) -> None:
+        self.session = None
+
+    def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+        feed = {name: arg.detach().cpu().numpy() for name, arg in zip(self.feed_names, args)}
+        return [np.asarray(o, dtype=np.float32) if np.asarray(o).dtype.kind == "f" else np.asarray(o)
+                for o in self.session.run(None, feed)]
