@@ -1,7 +1,110 @@
-"""`fxport convert`: run the engine in this process, no servers (the newcomer's first try)."""
+"""`fxport convert`: run the engine in this process, no servers (the newcomer's first try).
+
+The model is the user's own file on their own machine, so it runs in-process here; the
+service always runs models in the sandbox instead.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
 
-def convert_command() -> None:  # replaced by the engine work (issue 2)
-    raise SystemExit("fxport convert: not built yet")
+import typer
+from rich.console import Console
+
+from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, FxportError
+from fxport.spec import load_spec_file, parse_spec, spec_from_flags
+
+STAGES = ("load", "capture", "passes", "quantize", "export", "verify")
+
+
+class StageProgress:
+    """A rich progress bar per stage on a terminal; plain lines otherwise."""
+
+    def __init__(self, console: Console, enabled: bool) -> None:
+        self.console, self.enabled = console, enabled
+        self.progress = None
+        self.tasks: dict[str, Any] = {}
+        if enabled and console.is_terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("{task.description:<8}"), BarColumn(), TextColumn("{task.fields[msg]}"),
+                                     TimeElapsedColumn(), console=console, transient=False)
+
+    def __enter__(self) -> "StageProgress":
+        if self.progress:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress:
+            self.progress.stop()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        stage, frac, msg = event.get("stage", "?"), float(event.get("progress", 0)), event.get("message", "")
+        if self.progress is None:
+            if frac == 0.0 or msg not in ("", "done"):
+                self.console.print(f"[{stage}] {msg or 'started'}", highlight=False)
+            return
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(stage, total=1.0, msg="")
+        self.progress.update(self.tasks[stage], completed=frac, msg=msg)
+
+
+def convert_command(
+    model: Path = typer.Argument(..., help="Model file: .pt2 (torch.export), torch.package, TorchScript, or ONNX."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Job spec file (YAML or JSON)."),
+    target: Optional[list[str]] = typer.Option(None, "--target", "-t", help="Artifact to produce (repeatable): "
+                                               "torchscript, onnx, exported_program, fx_source."),
+    input_: Optional[list[str]] = typer.Option(None, "--input", help="Input NAME:DIMS[:DTYPE], e.g. x:batch,3,224,224."),
+    dynamic_batch: Optional[str] = typer.Option(None, "--dynamic-batch", help="Range of the 'batch' dim, MIN:OPT:MAX."),
+    pass_: Optional[list[str]] = typer.Option(None, "--pass", help="Graph pass to run, in order (repeatable)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data (.npz/.safetensors)."),
+    out: Path = typer.Option(Path("fxport-out"), "--out", "-o", help="Output folder for artifacts + manifest.json."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout and nothing else."),
+) -> None:
+    """Convert a model in this process and verify every artifact against it."""
+    err = Console(stderr=True)
+    try:
+        base = load_spec_file(spec) if spec else {}
+        job_spec = parse_spec(spec_from_flags(base, targets=target, inputs=input_, dynamic_batch=dynamic_batch,
+                                              passes=pass_, precision=precision))
+        if not model.is_file():
+            raise FxportError(f"model file {str(model)!r} does not exist", stage="load")
+    except FxportError as exc:
+        _fail(exc, err, as_json, code=EXIT_USAGE)
+        return
+
+    from fxport.workers.engine.pipeline import convert
+
+    manifest: dict[str, Any] | None = None
+    try:
+        with StageProgress(err, enabled=not as_json) as progress:
+            manifest = convert(model, job_spec, out, calibration_path=calibration, on_progress=progress)
+    except FxportError as exc:
+        manifest_path = out / "manifest.json"
+        if as_json and manifest_path.exists():
+            sys.stdout.write(manifest_path.read_text() + "\n")
+        _fail(exc, err, as_json, code=exc.exit_code, quiet_stdout=True)
+        return
+    if as_json:
+        sys.stdout.write(json.dumps(manifest, indent=2, default=str) + "\n")
+    else:
+        from fxport.client.result_table import render_manifest
+
+        render_manifest(manifest, Console())
+        Console().print(f"[green]ok[/]: artifacts and manifest.json in {out}/")
+    raise typer.Exit(EXIT_OK)
+
+
+def _fail(exc: FxportError, err: Console, as_json: bool, *, code: int, quiet_stdout: bool = False) -> None:
+    stage = f" during {exc.stage}" if exc.stage else ""
+    err.print(f"[red]error{stage}:[/] {exc}", highlight=False, soft_wrap=True)
+    if as_json and not quiet_stdout:
+        sys.stdout.write(json.dumps({"error": exc.to_dict()}) + "\n")
+    raise typer.Exit(code if code else EXIT_FAILED)

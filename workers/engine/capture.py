@@ -38,10 +38,13 @@ def user_source_line(exc: BaseException) -> str | None:
         fname = os.path.abspath(frame.filename)
         if fname.startswith(_TORCH_DIR) or fname.startswith(_ENGINE_DIR):
             continue
-        if frame.filename.startswith("<"):
+        filename = frame.filename
+        if filename.startswith("<torch_package_"):  # code imported from a torch.package archive
+            filename = filename.split(">.", 1)[-1]
+        elif filename.startswith("<"):  # <stdin>, fx-generated <eval_with_key>
             continue
         code = (frame.line or "").strip()
-        return f"{os.path.basename(frame.filename)}:{frame.lineno}: {code}" if code else f"{frame.filename}:{frame.lineno}"
+        return f"{filename}:{frame.lineno}: {code}" if code else f"{filename}:{frame.lineno}"
     # torch.export puts the user's frame in the message text
     for line in str(exc).splitlines():
         line = line.strip()
@@ -162,6 +165,11 @@ def fx_from_exported(ep: Any) -> GraphModule:
     `ep.module()` itself carries pytree specs and a local guard function that can't be
     pickled (to_folder fails); re-tracing it inlines the guards as torch._assert nodes.
     """
+    module = ep.module()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.fx.symbolic_trace(ep.module())
+        try:
+            return torch.fx.symbolic_trace(module)
+        except Exception:
+            # higher-order ops (torch.cond) refuse Proxy operands: keep the unlifted module as is
+            return module

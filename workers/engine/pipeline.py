@@ -167,9 +167,13 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path) -> None:
     written: dict[str, Path] = {}
     with run.stage("export"):
         targets = [t for t in spec.targets if t in ARTIFACT_PATHS]
+        extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
         for i, target in enumerate(targets):
             run.emit("export", i / max(len(targets), 1), target)
-            written[target] = _export_one(target, gm, example, sig, spec, out_dir)
+            written[target], note = _export_one(target, gm, example, sig, spec, out_dir,
+                                                original=loaded.module, extremes=extremes)
+            if note:
+                manifest["warnings"].append(f"{target}: {note}")
         for target, path in written.items():
             manifest["artifacts"].extend(_artifact_records(target, path, out_dir))
 
@@ -215,29 +219,33 @@ def _check_targets(loaded: LoadedModel, spec: JobSpec) -> None:
         )
 
 
-def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, out_dir: Path) -> Path:
+def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, out_dir: Path,
+                *, original: Any, extremes: list[tuple[Any, ...]]) -> tuple[Path, str]:
+    """Write one artifact. Returns its path and a note for the manifest ('' when none)."""
     path = out_dir / ARTIFACT_PATHS[target]
     try:
         if target == "torchscript":
             from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
 
-            return TorchScriptFromGraphModule(gm, example, spec.torchscript.method)(path)
+            exporter = TorchScriptFromGraphModule(gm, example, spec.torchscript.method,
+                                                  check_inputs=extremes, fallback=original)
+            return exporter(path), exporter.note
         if target == "exported_program":
             from fxport.workers.engine.exporters.exported_program import ExportedProgramFromGraphModule
 
-            return ExportedProgramFromGraphModule(gm, example, sig.dynamic_shapes())(path)
+            return ExportedProgramFromGraphModule(gm, example, sig.dynamic_shapes())(path), ""
         if target == "fx_source":
             from fxport.workers.engine.exporters.fx_source import FxSourceFromGraphModule
 
             if path.exists():
                 shutil.rmtree(path)
-            return FxSourceFromGraphModule(gm)(path)
+            return FxSourceFromGraphModule(gm)(path), ""
         from fxport.workers.engine.exporters.onnx import OnnxFromGraphModule
 
         return OnnxFromGraphModule(
             gm, example, input_names=[i.name for i in sig.inputs], dynamic_shapes=sig.dynamic_shapes(),
             opset=spec.onnx.opset, single_file=spec.onnx.single_file,
-        )(path)
+        )(path), ""
     except FxportError:
         raise
     except Exception as exc:

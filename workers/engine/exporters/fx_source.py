@@ -14,6 +14,11 @@ class FxSourceFromGraphModule:
         self.gm = gm
 
     def __call__(self, folder: Path) -> Path:
-        # to_folder writes module.py (the code), __init__.py and the weights beside them
+        # to_folder writes module.py (the code), __init__.py and the weights beside them.
+        # It emits type annotations (x : _torch_Tensor_) without importing their names, so the
+        # source would not import: drop the annotations, they carry no semantics here.
+        for node in self.gm.graph.nodes:
+            node.type = None
+        self.gm.recompile()
         self.gm.to_folder(str(folder), module_name=MODULE_CLASS)
         return folder

@@ -1,0 +1,93 @@
+"""`fxport convert` as a user runs it: the real console script, exit codes, --json on stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.models import get
+from tests.workers.engine.conftest import save_pt2
+
+FXPORT = [sys.executable, "-m", "fxport.client.cli"]
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([*FXPORT, *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_pt2(get("cnn_bn"), tmp_path_factory.mktemp("cli") / "cnn.pt2")
+
+
+def test_convert_json_prints_only_the_manifest(model: Path, tmp_path: Path) -> None:
+    proc = run_cli("convert", str(model), "--target", "onnx", "--target", "torchscript",
+                   "--out", str(tmp_path / "out"), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads(proc.stdout)  # stdout is exactly one JSON document
+    assert {a["format"] for a in manifest["artifacts"]} == {"onnx", "torchscript"}
+    assert all(v["passed"] for v in manifest["verification"])
+    assert (tmp_path / "out" / "model.onnx").is_file()
+
+
+def test_convert_prints_the_result_table(model: Path, tmp_path: Path) -> None:
+    proc = run_cli("convert", str(model), "-t", "onnx", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "onnxruntime" in proc.stdout or "onnx" in proc.stdout
+    assert "pass" in proc.stdout and "model.onnx" in proc.stdout
+
+
+def test_truncated_archive_exits_2(model: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.pt2"
+    data = model.read_bytes()
+    cut.write_bytes(data[: len(data) // 3])
+    proc = run_cli("convert", str(cut), "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "truncated or corrupt" in proc.stderr
+
+
+def test_random_bytes_exit_2_listing_formats(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(os.urandom(4096))
+    proc = run_cli("convert", str(junk), "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "torch.export" in proc.stderr and "ONNX" in proc.stderr
+
+
+def test_unknown_pass_exits_2_naming_the_valid_ones(model: Path, tmp_path: Path) -> None:
+    proc = run_cli("convert", str(model), "--pass", "fuse_everything", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "passes[0]" in proc.stderr and "fuse_everything" in proc.stderr and "fuse_conv_bn" in proc.stderr
+    assert not (tmp_path / "o").exists()  # rejected before any work
+
+
+def test_shape_that_contradicts_the_model_exits_2(model: Path, tmp_path: Path) -> None:
+    proc = run_cli("convert", str(model), "--input", "x:batch,5,32,32", "--dynamic-batch", "1:2:4",
+                   "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "inputs[0].shape[1]" in proc.stderr and "expects 3" in proc.stderr
+
+
+def test_spec_file_typo_exits_2_with_field_path(model: Path, tmp_path: Path) -> None:
+    spec = tmp_path / "deploy.yaml"
+    spec.write_text("targets: [onnx]\nverify:\n  atoll: 0.1\n")
+    proc = run_cli("convert", str(model), "--spec", str(spec), "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "verify.atoll" in proc.stderr and "atol" in proc.stderr
+
+
+def test_verification_mismatch_exits_1(model: Path, tmp_path: Path) -> None:
+    # a tolerance no float computation meets: ONNX Runtime differs from eager in the last bits
+    spec = tmp_path / "strict.yaml"
+    spec.write_text("targets: [onnx]\nverify: {atol: 0.0, rtol: 0.0, min_cosine: 1.0}\n")
+    proc = run_cli("convert", str(model), "--spec", str(spec), "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "do not match" in proc.stderr
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["error"]["stage"] == "verify"

@@ -1,0 +1,52 @@
+"""Which nodes write somewhere: the in-place ops `Node.is_impure()` misses on torch-level graphs.
+
+`Node.is_impure()` reads aten schemas, so aten graphs are covered; but on a symbolic_trace
+graph `y.add_(1)`, `torch.relu_(y)` and `nn.ReLU(inplace=True)` with unused results look
+pure, and `Graph.eliminate_dead_code()` drops them — silently changing the output (seen on
+torch 2.13). Passes that delete or pre-evaluate nodes ask `has_side_effects` instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+
+from torch.fx import GraphModule, Node
+
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul,
+}
+
+
+def has_side_effects(gm: GraphModule, node: Node) -> bool:
+    """True when running `node` may change state beyond its own result."""
+    if node.is_impure():
+        return True
+    if node.op == "call_method":
+        return _inplace_name(node.target)
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(node.target), "inplace", False))
+    if node.op == "call_function":
+        target = node.target
+        if target in _INPLACE_OPERATORS or _inplace_name(getattr(target, "__name__", "")):
+            return True
+        return _inplace_flag(node)
+    return False
+
+
+def _inplace_name(name: str) -> bool:
+    """`add_`, `relu_`, `copy_` — torch's naming for in-place variants (not dunders)."""
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _inplace_flag(node: Node) -> bool:
+    """An `inplace=True` argument, by keyword or (for Python functions like F.relu) by position."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    try:
+        bound = inspect.signature(node.target).bind_partial(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return bound.arguments.get("inplace") is True

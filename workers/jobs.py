@@ -1,0 +1,391 @@
+"""The job function: ids in, artifacts under deterministic keys out. Shared by the Celery
+tasks (workers/tasks.py) and the embedded worker pool (service/embedded.py).
+
+`execute_job(job_id, ctx)`:
+  fetch inputs to a temp dir → run the engine in its sandbox (workers/sandbox.py) →
+  upload every output file under `{tenant}/jobs/{job_id}/{name}` → record SUCCEEDED with
+  the artifacts, or FAILED with {stage, code, message}. Progress events go to the job store
+  as they come. With a `tensorrt` target, the CPU part ends by handing the job to the
+  `tensorrt` stage (queue "gpu"), which builds the engine from the uploaded ONNX.
+
+Idempotent by construction: keys are deterministic, a redelivered task starts from a clean
+prefix, and the job store refuses to move a finished job, so a late or replayed run can
+neither resurrect a cancelled job nor overwrite a result.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fxport.config import Settings
+from fxport.errors import FxportError, JobCancelled
+from fxport.jobs import ArtifactRecord, JobErrorInfo, JobRecord, JobState, JobStore
+from fxport.logs import job_context
+from fxport.spec import parse_spec
+from fxport.storage import ArtifactStore, StorageError, artifact_key, check_artifact_name, job_prefix
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # a job that kills its worker this many times fails instead of looping
+CANCEL_POLL_S = 0.5
+_KEEP_ON_FAILURE = ("manifest.json", "report.html")  # what a failed job still publishes
+
+
+class RetryLater(Exception):
+    """A transient infrastructure failure (object store unreachable): run the job again later."""
+
+
+@dataclass
+class WorkerContext:
+    jobs: JobStore
+    artifacts: ArtifactStore
+    settings: Settings = field(default_factory=Settings)
+    # Hands a job to its next stage as a separate task: ("tensorrt", job_id) → queue "gpu".
+    enqueue_stage: Callable[[str, str], None] | None = None
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    engine: Callable[..., dict[str, Any]] | None = None  # default: the sandboxed run_engine_job
+    # Set by the embedded pool when the server stops: an interrupted job is left as it is
+    # (RUNNING) to be re-run on the next start, not recorded as failed.
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def run_engine(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        engine = self.engine
+        if engine is None:
+            from fxport.workers.sandbox import run_engine_job
+
+            engine = run_engine_job
+        if "cancel_event" in kwargs and "cancel_event" not in inspect.signature(engine).parameters:
+            kwargs.pop("cancel_event")
+        return engine(*args, **kwargs)
+
+
+def artifact_format(name: str, manifest_formats: dict[str, str]) -> str:
+    if name in manifest_formats:
+        return manifest_formats[name]
+    if name == "manifest.json":
+        return "manifest"
+    if name.endswith(".html"):
+        return "report"
+    if name.startswith("fx_source/"):
+        return "fx_source"
+    for suffix, fmt in ((".onnx", "onnx"), (".onnx.data", "onnx"), (".ts", "torchscript"),
+                        (".pt2", "exported_program"), (".engine", "tensorrt")):
+        if name.endswith(suffix):
+            return fmt
+    return "file"
+
+
+def upload_outputs(
+    ctx: WorkerContext, rec: JobRecord, out_dir: Path, manifest: dict[str, Any] | None, only: tuple[str, ...] | None = None
+) -> list[ArtifactRecord]:
+    """Upload every regular file under out_dir (name = relative path); symlinks are refused."""
+    formats = {a.get("path"): a.get("format") for a in (manifest or {}).get("artifacts", []) if a.get("path")}
+    uploaded = []
+    for path in sorted(out_dir.rglob("*")):
+        if path.is_symlink():
+            raise FxportError(f"output {path.name!r} is a symlink; refusing to upload it", stage="upload",
+                              detail=str(path))
+        if not path.is_file():
+            continue
+        name = path.relative_to(out_dir).as_posix()
+        if only is not None and name not in only:
+            continue
+        key = artifact_key(rec.tenant, rec.id, check_artifact_name(name))
+        stored = ctx.artifacts.put_file(key, path)
+        uploaded.append(ArtifactRecord(name=name, format=artifact_format(name, formats), key=key,
+                                       bytes=stored.bytes, sha256=stored.sha256))
+    return uploaded
+
+
+def _suffix(filename: str) -> str:
+    suffix = Path(filename or "").suffix.lower()
+    return suffix if suffix in (".pt2", ".pt", ".pth", ".ts", ".onnx", ".zip", ".npz", ".npy", ".pt2z") else ""
+
+
+class _CancelWatch:
+    """Polls the job record; on CANCELLED sets `event` and kills this job's sandbox."""
+
+    def __init__(self, ctx: WorkerContext, job_id: str) -> None:
+        self.ctx, self.job_id = ctx, job_id
+        self.event = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"cancel-watch-{job_id}", daemon=True)
+
+    def __enter__(self) -> "_CancelWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(CANCEL_POLL_S):
+            try:
+                rec = self.ctx.jobs.get(self.job_id)
+            except Exception:  # a store hiccup is no reason to stop watching
+                continue
+            if rec is not None and rec.state is JobState.CANCELLED:
+                self.event.set()
+                kill_sandboxes_of(self.job_id)
+                return
+
+
+def kill_sandboxes_of(job_id: str) -> int:
+    """Kill the sandbox process group(s) this process started for `job_id`.
+
+    The engine contract has no cancel hook yet, so the job is found by its sandbox request
+    file (the sandbox child's last argument) among this process's children.
+    """
+    me, killed = os.getpid(), 0
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != me:
+                continue
+            argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+            if not any("sandbox_child" in a for a in argv):
+                continue
+            request = json.loads(Path(argv[-1]).read_text())
+            if request.get("job_id") != job_id:
+                continue
+            os.killpg(int(entry.name), signal.SIGKILL)
+            killed += 1
+        except (OSError, ValueError, IndexError, KeyError):
+            continue
+    return killed
+
+
+def execute_job(job_id: str, ctx: WorkerContext, *, final_attempt: bool = True) -> JobRecord | None:
+    """Run one job to a terminal state (or hand it to its next stage). Never raises for a
+    job failure; raises RetryLater for a transient store failure unless `final_attempt`."""
+    with job_context(job_id):
+        return _execute_job(job_id, ctx, final_attempt)
+
+
+def _fail(ctx: WorkerContext, job_id: str, stage: str | None, code: str, message: str,
+          detail: str | None = None, artifacts: list[ArtifactRecord] | None = None) -> JobRecord | None:
+    rec, _ = ctx.jobs.transition(
+        job_id, state=JobState.FAILED,
+        error=JobErrorInfo(stage=stage, code=code, message=message, detail=detail),
+        artifacts=artifacts, message=message,
+    )
+    log.info("job failed", extra={"stage": stage, "code": code})
+    return rec
+
+
+def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRecord | None:
+    rec = ctx.jobs.get(job_id)
+    if rec is None:
+        log.warning("job not found; dropping the task")
+        return None
+    if rec.terminal:
+        log.info("job already %s; nothing to do (a replayed task)", rec.state.value)
+        return rec
+    if rec.attempts >= MAX_ATTEMPTS:
+        return _fail(ctx, job_id, rec.stage, "worker_lost",
+                     f"the job stopped its worker {rec.attempts} times (crash or kill during {rec.stage}); "
+                     "it will not be retried — check the model for excessive memory use")
+    redelivered = rec.attempts > 0
+    rec, changed = ctx.jobs.transition(job_id, state=JobState.RUNNING, stage="load", new_attempt=True,
+                                       worker=ctx.worker_id, message="fetching inputs")
+    if rec is None or not changed:
+        return rec
+    log.info("job started", extra={"attempt": rec.attempts, "worker": ctx.worker_id})
+    current = {"stage": "load"}
+    spec = parse_spec(rec.spec)
+    wants_trt = "tensorrt" in spec.targets
+    if wants_trt:
+        # The CPU part produces the ONNX the GPU stage builds from.
+        cpu_targets = [t for t in spec.targets if t != "tensorrt"]
+        if "onnx" not in cpu_targets:
+            cpu_targets.append("onnx")
+        spec = parse_spec({**rec.spec, "targets": cpu_targets})
+
+    cancel = _CancelWatch(ctx, job_id)
+
+    def on_progress(event: dict[str, Any]) -> None:
+        stage = event.get("stage") or current["stage"]
+        current["stage"] = stage
+        if cancel.event.is_set():
+            return
+        ctx.jobs.transition(job_id, stage=stage, progress=event.get("progress"), message=event.get("message"))
+
+    work_parent = ctx.settings.work_dir
+    if work_parent:
+        Path(work_parent).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"fxport-job-{job_id}-", dir=work_parent) as tmp_str, cancel:
+        tmp = Path(tmp_str)
+        out_dir = tmp / "out"
+        out_dir.mkdir()
+        manifest: dict[str, Any] | None = None
+        try:
+            if redelivered:
+                ctx.artifacts.delete_prefix(job_prefix(rec.tenant, rec.id))
+            model_path = tmp / "input" / f"model{_suffix(rec.model.filename)}"
+            ctx.artifacts.get(rec.model.key, model_path)
+            calibration_path = None
+            if rec.calibration is not None:
+                calibration_path = tmp / "input" / f"calibration{_suffix(rec.calibration.filename)}"
+                ctx.artifacts.get(rec.calibration.key, calibration_path)
+            timeout = min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s)
+            manifest = ctx.run_engine(
+                model_path, spec, out_dir, job_id=job_id, calibration_path=calibration_path,
+                on_progress=on_progress, timeout_s=timeout, cancel_event=cancel.event,
+            )
+            if cancel.event.is_set():
+                raise JobCancelled("cancelled by request", stage=current["stage"])
+            current["stage"] = "upload"
+            ctx.jobs.transition(job_id, stage="upload", message="uploading artifacts")
+            artifacts = upload_outputs(ctx, rec, out_dir, manifest)
+        except StorageError as exc:
+            if _was_cancelled(ctx, job_id, cancel):
+                return _cancelled_cleanup(ctx, rec)
+            if not final_attempt:
+                log.warning("store failure; the job will be retried: %s", exc)
+                raise RetryLater(str(exc)) from exc
+            return _fail(ctx, job_id, current["stage"], exc.code, f"object store failure: {exc}")
+        except Exception as exc:  # every failure ends as a FAILED record naming its stage
+            if ctx.stopping.is_set():
+                log.info("job interrupted by shutdown; it will re-run on the next start")
+                return ctx.jobs.get(job_id)
+            # A cancel kills the sandbox (or Celery interrupts the task): that error is not a failure.
+            if isinstance(exc, JobCancelled) or _was_cancelled(ctx, job_id, cancel):
+                return _cancelled_cleanup(ctx, rec)
+            return _failure_from(ctx, rec, exc, current["stage"], out_dir)
+
+    if wants_trt:
+        rec, changed = ctx.jobs.transition(job_id, stage="tensorrt", artifacts=artifacts,
+                                           message="waiting for a GPU worker")
+        if changed and ctx.enqueue_stage is not None:
+            ctx.enqueue_stage("tensorrt", job_id)
+        elif changed:
+            return _fail(ctx, job_id, "tensorrt", "no_gpu_queue", "no GPU stage is configured for TensorRT")
+        return rec
+    rec, changed = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
+    if not changed and rec is not None and rec.state is JobState.CANCELLED:
+        return _cancelled_cleanup(ctx, rec)
+    log.info("job succeeded", extra={"artifacts": len(artifacts)})
+    return rec
+
+
+def _was_cancelled(ctx: WorkerContext, job_id: str, cancel: _CancelWatch) -> bool:
+    if cancel.event.is_set():
+        return True
+    rec = ctx.jobs.get(job_id)
+    return rec is not None and rec.state is JobState.CANCELLED
+
+
+def _cancelled_cleanup(ctx: WorkerContext, rec: JobRecord) -> JobRecord | None:
+    """The job was cancelled while it ran: remove whatever it had uploaded."""
+    try:
+        ctx.artifacts.delete_prefix(job_prefix(rec.tenant, rec.id))
+    except StorageError as exc:
+        log.warning("could not remove artifacts of cancelled job: %s", exc)
+    log.info("job cancelled; partial artifacts removed")
+    return ctx.jobs.get(rec.id)
+
+
+def _failure_from(ctx: WorkerContext, rec: JobRecord, exc: Exception, stage: str, out_dir: Path) -> JobRecord | None:
+    kept: list[ArtifactRecord] = []
+    try:
+        # After a verification failure the manifest (and report) say which output differs and by how much.
+        kept = upload_outputs(ctx, rec, out_dir, None, only=_KEEP_ON_FAILURE)
+    except Exception as upload_exc:
+        log.warning("could not upload the failed job's manifest: %s", upload_exc)
+    if isinstance(exc, FxportError):
+        return _fail(ctx, rec.id, exc.stage or stage, exc.code, str(exc), exc.detail, kept)
+    if type(exc).__name__ == "SoftTimeLimitExceeded":
+        limit = ctx.settings.job_soft_time_limit_s
+        return _fail(ctx, rec.id, stage, "timeout",
+                     f"the job ran past the worker's {limit} s time limit during {stage}", None, kept)
+    log.exception("internal error")
+    return _fail(ctx, rec.id, stage, "internal", f"internal error during {stage}: {type(exc).__name__}: {exc}",
+                 "".join(traceback.format_exception(exc))[-4000:], kept)
+
+
+def execute_stage(stage: str, job_id: str, ctx: WorkerContext, *, final_attempt: bool = True) -> JobRecord | None:
+    """A later stage of a job, run as its own task. Only `tensorrt` (queue "gpu") exists."""
+    if stage != "tensorrt":
+        raise ValueError(f"unknown stage {stage!r}")
+    with job_context(job_id):
+        return _execute_tensorrt(job_id, ctx, final_attempt)
+
+
+def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRecord | None:
+    rec = ctx.jobs.get(job_id)
+    if rec is None or rec.terminal:
+        return rec
+    rec, changed = ctx.jobs.transition(job_id, state=JobState.RUNNING, stage="tensorrt", worker=ctx.worker_id,
+                                       message="building the TensorRT engine")
+    if rec is None or not changed:
+        return rec
+    earlier = {a.name: a for a in rec.artifacts}
+    onnx = earlier.get("model.onnx")
+    if onnx is None:
+        return _fail(ctx, job_id, "tensorrt", "missing_input", "the TensorRT stage found no model.onnx from the CPU stage")
+    spec = parse_spec({**rec.spec, "targets": ["tensorrt"]})
+    with tempfile.TemporaryDirectory(prefix=f"fxport-trt-{job_id}-", dir=ctx.settings.work_dir) as tmp_str:
+        tmp = Path(tmp_str)
+        out_dir = tmp / "out"
+        out_dir.mkdir()
+        try:
+            onnx_path = tmp / "input" / "model.onnx"
+            ctx.artifacts.get(onnx.key, onnx_path)
+            trt_manifest = ctx.run_engine(
+                onnx_path, spec, out_dir, job_id=job_id,
+                on_progress=lambda e: ctx.jobs.transition(job_id, stage="tensorrt", progress=e.get("progress"),
+                                                          message=e.get("message")),
+                timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s),
+            )
+            merged = _merge_manifests(ctx, earlier.get("manifest.json"), trt_manifest, tmp)
+            (out_dir / "manifest.json").write_text(json.dumps(merged, indent=2, default=str))
+            new = {a.name: a for a in upload_outputs(ctx, rec, out_dir, trt_manifest)}
+        except StorageError as exc:
+            if not final_attempt:
+                raise RetryLater(str(exc)) from exc
+            return _fail(ctx, job_id, "tensorrt", exc.code, f"object store failure: {exc}")
+        except Exception as exc:
+            return _failure_from(ctx, rec, exc, "tensorrt", out_dir)
+    artifacts = list({**earlier, **new}.values())
+    rec, _ = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
+    return rec
+
+
+def _merge_manifests(ctx: WorkerContext, cpu: ArtifactRecord | None, trt: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """The CPU stage's manifest plus the TensorRT stage's artifacts, verification and timings."""
+    if cpu is None:
+        return trt
+    path = tmp / "cpu-manifest.json"
+    ctx.artifacts.get(cpu.key, path)
+    merged = json.loads(path.read_text())
+    merged.setdefault("artifacts", []).extend(trt.get("artifacts", []))
+    merged.setdefault("verification", []).extend(trt.get("verification", []))
+    merged.setdefault("toolchain", {}).update({k: v for k, v in trt.get("toolchain", {}).items() if v})
+    merged.setdefault("timings_s", {})["tensorrt"] = sum(trt.get("timings_s", {}).values())
+    return merged
+
+
+def wait_for_terminal(jobs: JobStore, job_id: str, timeout: float) -> JobRecord | None:
+    """Block until the job is terminal (or timeout); for tests and benchmarks."""
+    deadline, seq = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        for ev in jobs.read_events(job_id, seq, timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+            seq = ev.seq
+            if ev.terminal:
+                return jobs.get(job_id)
+    return jobs.get(job_id)
