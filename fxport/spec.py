@@ -55,6 +55,18 @@ class FoldConstantsOptions(_Strict):
     )
 
 
+# The substitute_ops allowlist: swap name → numerics_preserving. "Preserving" means the swap
+# computes the same mathematical function, so results differ at most by float rounding (a few
+# ULP); a swap that approximates (exact → tanh GELU) is not preserving and runs only with
+# allow_numerics_change. The implementations live in the engine, keyed by these names
+# (fxport.workers.engine.passes.substitute_ops); a test checks the two key sets are equal.
+SUBSTITUTIONS: dict[str, bool] = {
+    "relu6_to_hardtanh": True,
+    "gelu_to_tanh_gelu": False,
+    "silu_to_x_sigmoid": True,
+}
+
+
 class SubstituteOpsOptions(_Strict):
     swaps: list[str] = Field(
         default_factory=lambda: ["relu6_to_hardtanh"],
@@ -63,6 +75,17 @@ class SubstituteOpsOptions(_Strict):
     allow_numerics_change: bool = Field(
         False, description="Permit swaps flagged as changing numerics (e.g. exact → tanh GELU)."
     )
+
+    @field_validator("swaps")
+    @classmethod
+    def _known_swaps(cls, v: list[str]) -> list[str]:
+        unknown = [name for name in v if name not in SUBSTITUTIONS]
+        if unknown:
+            raise ValueError(
+                f"unknown swap{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"valid swaps: {', '.join(SUBSTITUTIONS)}"
+            )
+        return v
 
 
 class ProfileNodesOptions(_Strict):

@@ -33,6 +33,10 @@ from fxport.workers.engine.passes.graph_attrs import (
 aten = torch.ops.aten
 
 _CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# A subclass that overrides forward (a weight-standardized or fake-quantized conv, say) does
+# something else with its weight than the fold assumes, so only these forwards qualify.
+_PLAIN_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward, nn.Linear.forward,
+                   nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
 
 # Eval batch norm as torch.export emits it. In torch 2.13 `export` keeps
 # aten.batch_norm.default(..., training=False, ...); `run_decompositions()` turns it into
@@ -100,6 +104,9 @@ class _Fuser:
         is_linear = isinstance(producer, nn.Linear)
         if not (is_conv or is_linear):
             return self._leave(bn_kind, f"its input is not a Conv/Linear ({_describe(self.gm, src)})")
+        for mod in (producer, bn):
+            if type(mod).forward not in _PLAIN_FORWARDS:
+                return self._leave(bn_kind, f"{type(mod).__name__} overrides forward, so the fold may not hold")
         if is_linear and not self.opts.linear:
             return self._leave(bn_kind, "it follows a Linear and options.linear is false")
         if bn.training or bn.running_mean is None or bn.running_var is None:

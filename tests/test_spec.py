@@ -1,0 +1,91 @@
+"""Job spec validation: a table of (spec, the error text a person must see)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxport.errors import SpecError
+from fxport.spec import JobSpec, load_spec_text, parse_spec, spec_from_flags
+
+DYN = {"inputs": [{"name": "x", "shape": ["batch", 3, 8, 8]}], "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 4}}}
+
+BAD = [
+    ({"targets": ["onxx"]}, "targets[0]", "'onnx'"),
+    ({"targets": []}, "targets", "at least 1"),
+    ({"passes": ["fuse"]}, "passes[0]", "valid passes: fuse_conv_bn"),
+    ({"passes": [{"name": "fuse_conv_bn", "options": {"linaer": True}}]}, "passes[0]", "valid options: linear"),
+    ({"passes": [{"name": "profile_nodes", "options": {"runs": 0}}]}, "passes[0]", "'runs'"),
+    ({"passes": [{"name": "substitute_ops", "options": {"swaps": ["relu_to_gelu"]}}]}, "passes[0]", "valid swaps"),
+    ({"precision": "int4"}, "precision", "'fp32', 'fp16' or 'int8'"),
+    ({"capture": "jit"}, "capture", "'auto', 'fx' or 'export'"),
+    ({"verify": {"atoll": 0.1}}, "verify.atoll", "valid keys here: atol"),
+    ({"verify": {"samples": 0}}, "verify.samples", "greater than or equal to 1"),
+    ({"onnx": {"opset": 9}}, "onnx.opset", "greater than or equal to 18"),
+    ({"colour": "red"}, "colour", "unknown key"),
+    ({"inputs": [{"name": "x", "shape": ["b", 3]}]}, "spec", "dynamic dim 'b', which has no range"),
+    ({"inputs": [{"name": "x", "shape": [0, 3]}]}, "inputs[0].shape", "between 1 and"),
+    ({"inputs": [{"name": "x", "shape": [1 << 20]}]}, "inputs[0].shape", "between 1 and"),
+    ({"inputs": [{"name": "x", "shape": [4096, 4096, 4096]}]}, "spec", "the limit is"),
+    ({"inputs": [{"name": "x", "shape": [1]}, {"name": "x", "shape": [1]}]}, "spec", "duplicate input names"),
+    ({"inputs": [{"name": "1x", "shape": [1]}]}, "inputs[0].name", "identifier"),
+    ({"inputs": [{"name": "x", "shape": [1], "dtype": "float8"}]}, "inputs[0].dtype", "'float32'"),
+    ({**DYN, "dynamic_dims": {"batch": {"min": 4, "opt": 2, "max": 8}}}, "dynamic_dims.batch", "min <= opt <= max"),
+    ({**DYN, "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 4}, "seq": {"min": 1, "opt": 2, "max": 4}}},
+     "spec", "not used by any input"),
+    ({"quantization": {"target_cosine": 0.99}}, "spec", "precision is not int8"),
+    ({"labels": {"bad key!": "x"}}, "labels", "label key"),
+    ({"inputs": "x"}, "inputs", "valid list"),
+]
+
+
+@pytest.mark.parametrize("data,path,text", BAD)
+def test_invalid_spec_names_field_and_choices(data: dict, path: str, text: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(data)
+    paths = [p for p, _ in info.value.violations]
+    assert path in paths, info.value.violations
+    assert text in str(info.value)
+
+
+def test_defaults_and_key_order_do_not_change_the_digest() -> None:
+    a = parse_spec({"targets": ["onnx", "torchscript"], "verify": {"rtol": 1e-3, "atol": 1e-4}})
+    b = parse_spec({"verify": {"atol": 1e-4}, "targets": ["onnx", "torchscript"]})
+    assert a.digest() == b.digest()
+    assert a.digest() != parse_spec({"targets": ["onnx"]}).digest()
+
+
+def test_pass_names_and_typed_options_are_normalized() -> None:
+    spec = parse_spec({"passes": ["fuse_conv_bn", {"name": "profile_nodes", "options": {"top": 3}}]})
+    assert spec.passes[0].options == {"linear": True}
+    assert spec.passes[1].options == {"runs": 5, "top": 3}
+
+
+def test_yaml_syntax_error_names_the_line() -> None:
+    with pytest.raises(SpecError, match="line 2"):
+        load_spec_text("targets: [onnx\nverify: {atol: 1}\n", source="deploy.yaml")
+
+
+def test_json_is_accepted_as_well_as_yaml() -> None:
+    assert load_spec_text('{"targets": ["onnx"]}') == {"targets": ["onnx"]}
+
+
+def test_cli_flags_map_onto_the_same_model() -> None:
+    data = spec_from_flags({"targets": ["onnx"]}, targets=["torchscript"], inputs=["x:batch,3,8,8:float32"],
+                           dynamic_batch="1:4:16", passes=["remove_dropout"], precision="fp32")
+    spec = parse_spec(data)
+    assert spec.targets == ["torchscript"]
+    assert spec.inputs[0].shape == ["batch", 3, 8, 8]
+    assert spec.dynamic_dims["batch"].max == 16
+    assert [p.name for p in spec.passes] == ["remove_dropout"]
+
+
+@pytest.mark.parametrize("flag", ["x", "x:", ":1,2", "x:1,2:float32:extra"])
+def test_bad_input_flag_shows_the_expected_form(flag: str) -> None:
+    with pytest.raises(SpecError, match="NAME:DIMS"):
+        spec_from_flags(inputs=[flag])
+
+
+def test_spec_model_has_every_documented_section() -> None:
+    for key in ("inputs", "dynamic_dims", "targets", "capture", "passes", "precision", "quantization", "onnx",
+                "tensorrt", "verify", "labels"):
+        assert key in JobSpec.model_fields
