@@ -226,7 +226,7 @@ class _Fuser:
 
     def _plan_linear(self, lin: Node, bn_kind: str):
         kind = _module_kind(lin, _op_name(lin))
-        rank = node_rank(lin)
+        rank = self._rank(lin)
         if rank != 2:
             why = "its rank is unknown" if rank is None else f"it has {rank} dims"
             return self._leave(bn_kind, f"the {kind} output is not 2-D ({why}), so BatchNorm's channels are not its features")
