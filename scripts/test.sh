@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh dev
+# Graphviz lays out the report's graph drawing; Chromium renders the report in its test.
+bash scripts/install_report_deps.sh
 python -m pytest -m "not gpu" "$@"

@@ -57,6 +57,18 @@ def apply_limits(memory_bytes: int, cpu_seconds: int, isolate_network: bool) -> 
     return libc.unshare(CLONE_NEWNET) == 0
 
 
+PR_SET_DUMPABLE = 4
+
+
+def hide_parent_environment() -> None:
+    """Make this (the worker) process non-dumpable, so /proc/<pid>/environ — which holds the
+    broker URL and storage keys — is no longer readable by a same-user sandbox child."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except Exception:  # not Linux: nothing to hide this way
+        pass
+
+
 def run_engine_job(
     model_path: Path,
     spec: JobSpec,
@@ -70,6 +82,7 @@ def run_engine_job(
 ) -> dict[str, Any]:
     """Run `engine.convert` in a sandboxed child. Returns the manifest; raises FxportError."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    hide_parent_environment()
     timeout = float(timeout_s or spec.limits.timeout_s)
     memory = spec.limits.memory_mb << 20
     with tempfile.TemporaryDirectory(prefix="fxport-sandbox-") as work_str:

@@ -113,7 +113,7 @@ def load_model(path: Path) -> LoadedModel:
         if fmt == "torch_package":
             return _load_package(path)
         return LoadedModel(format="onnx", onnx_path=path)
-    except InvalidInput:
+    except (InvalidInput, MemoryError):
         raise
     except Exception as exc:
         raise InvalidInput(

@@ -121,7 +121,19 @@ def convert(
         raise err from exc
     finally:
         (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+        _write_report(out_dir / "manifest.json", manifest)
     return manifest
+
+
+def _write_report(manifest_path: Path, manifest: dict[str, Any]) -> None:
+    """report.html beside the manifest. A report problem never fails the conversion."""
+    from fxport.report import write_report
+
+    try:
+        write_report(manifest_path)
+    except Exception as exc:
+        manifest["warnings"].append(f"report.html could not be written: {type(exc).__name__}: {exc}")
+        manifest_path.write_text(json.dumps(manifest, indent=2, default=str))
 
 
 def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path) -> None:

@@ -1,0 +1,576 @@
+"""Render a job's manifest.json as one self-contained report.html (no torch, no onnx: the thin client uses it).
+
+The report is built from the manifest alone, so `fxport report manifest.json` regenerates it
+anywhere. Everything is inline (CSS, SVG charts, the SVG graph drawing); a Content-Security-Policy
+forbids every fetch and every script, so the page cannot reach the network even if a string in
+the manifest were hostile. Every manifest string goes through `html.escape`; chart and graph
+SVG come from libraries that escape their own text (pygal via etree, Graphviz's SVG writer).
+
+Libraries, both optional at run time so the report never crashes for lack of them:
+- pygal (pure Python) draws the bar charts as SVG;
+- the `graphviz` package writes DOT and runs Graphviz's `dot` binary to lay out the FX graph.
+A missing one leaves a note in its section and the tables still render.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+# Graph diagrams with more boxes (non-get_attr nodes) than this start collapsed;
+# past MAX_DRAWN_NODES boxes only the first ones are drawn.
+COLLAPSE_ABOVE_NODES = 60
+MAX_DRAWN_NODES = 300
+# dot is deterministic and fast for MAX_DRAWN_NODES nodes; the limit guards against a wedged binary.
+DOT_TIMEOUT_S = 60
+
+# Page order: what a reader checks first (did it work, does it match, where does time go) comes first.
+SECTIONS = (
+    ("error", "Error"),
+    ("overview", "Overview"),
+    ("warnings", "Warnings"),
+    ("parity", "Parity"),
+    ("profile", "Profile"),
+    ("quantization", "Quantization"),
+    ("capture", "Capture"),
+    ("passes", "Passes"),
+    ("graph", "Graph"),
+    ("artifacts", "Artifacts"),
+    ("input", "Input"),
+    ("toolchain", "Toolchain"),
+    ("spec", "Spec"),
+    ("timings", "Timings"),
+)
+
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+
+CSS = """
+:root { --ok:#1b7f3b; --ok-bg:#e3f4e8; --fail:#b3261e; --fail-bg:#fbe4e2; --muted:#5f6368; --line:#dadce0; }
+* { box-sizing: border-box; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Liberation Sans", sans-serif;
+       margin: 0; color: #202124; background: #f6f7f9; }
+header { background: #1f2937; color: #fff; padding: 16px 28px; }
+header h1 { margin: 0 0 4px; font-size: 20px; }
+header .sub { color: #cbd5e1; font-size: 13px; }
+nav { background: #fff; border-bottom: 1px solid var(--line); padding: 8px 28px; position: sticky; top: 0; z-index: 2; }
+nav a { margin-right: 14px; color: #1a56db; text-decoration: none; font-size: 13px; }
+main { padding: 8px 28px 40px; max-width: 1400px; }
+section { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 14px 18px; margin: 14px 0; }
+section h2 { margin: 0 0 10px; font-size: 17px; }
+section h3 { margin: 14px 0 6px; font-size: 15px; }
+table { border-collapse: collapse; margin: 6px 0; font-size: 13px; }
+th, td { border: 1px solid var(--line); padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: #f1f3f4; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+code, pre, .mono { font-family: ui-monospace, "DejaVu Sans Mono", "Liberation Mono", monospace; font-size: 12px; }
+pre { background: #f8f9fa; border: 1px solid var(--line); padding: 8px; overflow: auto; max-height: 480px; }
+.digest { word-break: break-all; }
+.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-weight: 600; font-size: 12px; }
+.ok { color: var(--ok); background: var(--ok-bg); }
+.fail { color: var(--fail); background: var(--fail-bg); }
+.neutral { color: var(--muted); background: #eceff1; }
+tr.ok td, tr.fail td { background: transparent; }
+tr.ok td.status { color: var(--ok); background: var(--ok-bg); font-weight: 600; }
+tr.fail td.status { color: var(--fail); background: var(--fail-bg); font-weight: 600; }
+tr.fallback td { background: #fff4e5; }
+.note { color: var(--muted); }
+.missing { color: #8a5300; background: #fff4e5; border: 1px solid #f5c37a; padding: 6px 10px; border-radius: 6px; }
+.error-box { border-color: var(--fail); background: var(--fail-bg); }
+.error-box h2 { color: var(--fail); }
+.cards { display: flex; flex-wrap: wrap; gap: 10px; }
+.card { border: 1px solid var(--line); border-radius: 6px; padding: 8px 12px; min-width: 150px; }
+.card .k { color: var(--muted); font-size: 12px; }
+.card .v { font-size: 15px; font-weight: 600; }
+.chart svg { max-width: 100%; height: auto; }
+.graph-svg { overflow: auto; max-height: 1600px; border: 1px solid var(--line); background: #fff; }
+.graph-svg svg { max-width: 100%; height: auto; }
+.graphs { display: flex; gap: 16px; flex-wrap: wrap; align-items: flex-start; }
+.graphs > div { flex: 1 1 560px; min-width: 0; }
+details > summary { cursor: pointer; color: #1a56db; margin: 6px 0; }
+"""
+
+
+def render_report(manifest: dict[str, Any]) -> str:
+    """The whole report.html for `manifest` (a parsed manifest.json) as one string."""
+    job = manifest.get("job_id") or "local conversion"
+    status = str(manifest.get("status") or "unknown")
+    renderers: dict[str, Callable[[dict[str, Any]], Optional[str]]] = {
+        "error": _error_section,
+        "overview": _overview_section,
+        "input": _input_section,
+        "toolchain": _toolchain_section,
+        "spec": _spec_section,
+        "capture": _capture_section,
+        "passes": _passes_section,
+        "artifacts": _artifacts_section,
+        "parity": _parity_section,
+        "profile": _profile_section,
+        "quantization": _quantization_section,
+        "graph": _graph_section,
+        "warnings": _warnings_section,
+        "timings": _timings_section,
+    }
+    parts, nav = [], []
+    for sid, title in SECTIONS:
+        body = _safe_section(renderers[sid], manifest, title)
+        if body is None:  # the section does not apply to this job (no profile, not int8, no error, ...)
+            continue
+        cls = ' class="error-box"' if sid == "error" else ""
+        parts.append(f'<section id="{sid}"{cls}>\n<h2>{_e(title)}</h2>\n{body}\n</section>')
+        nav.append(f'<a href="#{sid}">{_e(title)}</a>')
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>fxport report — {_e(job)} ({_e(status)})</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+        f"<header><h1>fxport conversion report {_status_badge(status)}</h1>"
+        f'<div class="sub">job <span class="mono">{_e(job)}</span> · fxport {_e(manifest.get("fxport_version"))}'
+        " · generated from manifest.json</div></header>\n"
+        f"<nav>{''.join(nav)}</nav>\n<main>\n" + "\n".join(parts) + "\n</main>\n</body>\n</html>\n"
+    )
+
+
+def write_report(manifest_path: Path, out_path: Path | None = None) -> Path:
+    """Read manifest.json, write report.html (beside it unless `out_path`), return the path written."""
+    manifest = json.loads(Path(manifest_path).read_text(encoding="utf-8"))
+    if not isinstance(manifest, dict):
+        kind = type(manifest).__name__
+        raise ValueError(f"{manifest_path} is not a manifest: its top level is {kind}, not an object")
+    out = Path(out_path) if out_path else Path(manifest_path).with_name("report.html")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_report(manifest), encoding="utf-8")
+    return out
+
+
+# ---------------------------------------------------------------- sections
+
+
+def _safe_section(fn: Callable[[dict[str, Any]], Optional[str]], manifest: dict[str, Any], title: str) -> Optional[str]:
+    # A malformed or older manifest must not cost the reader the whole report: one section says why it is missing.
+    try:
+        return fn(manifest)
+    except Exception as exc:
+        return (f'<p class="missing">The {_e(title.lower())} section could not be rendered: '
+                f"{_e(type(exc).__name__)}: {_e(exc)}</p>")
+
+
+def _error_section(m: dict[str, Any]) -> Optional[str]:
+    err = m.get("error")
+    if not err:
+        return None
+    rows = [[_e(k), _e(v)] for k, v in err.items() if v not in (None, "")]
+    stage = err.get("stage") or "an unknown stage"
+    return (f'<p>The job <strong>failed during {_e(stage)}</strong>: '
+            f'<span class="mono">{_e(err.get("message"))}</span></p>'
+            + _table(["field", "value"], rows, table_id="error-table"))
+
+
+def _overview_section(m: dict[str, Any]) -> str:
+    inp = m.get("input") or {}
+    spec = m.get("spec") or {}
+    verification = m.get("verification") or []
+    passed = sum(1 for v in verification if v.get("passed"))
+    total_s = sum(float(v) for v in (m.get("timings_s") or {}).values() if isinstance(v, (int, float)))
+    cards = [
+        ("status", _status_badge(str(m.get("status")))),
+        ("input format", _e(inp.get("format") or "?")),
+        ("input size", _e(_human_bytes(inp.get("bytes")))),
+        ("precision", _e(spec.get("precision") or "?")),
+        ("targets", _e(", ".join(spec.get("targets") or []) or "none")),
+        ("capture", _e((m.get("capture") or {}).get("method") or "not reached")),
+        ("artifacts", _e(len({a.get("format") for a in m.get("artifacts") or []}))),
+        ("parity", _status_badge("passed" if passed == len(verification) else "failed",
+                                 f"{passed}/{len(verification)} passed")
+         if verification else '<span class="note">not run</span>'),
+        ("total time", _e(f"{total_s:.2f} s")),
+    ]
+    return '<div class="cards">' + "".join(
+        f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{v}</div></div>' for k, v in cards) + "</div>"
+
+
+def _input_section(m: dict[str, Any]) -> str:
+    inp = m.get("input") or {}
+    out = _table(["field", "value"], [
+        ["format", _e(inp.get("format") or "?")],
+        ["sha256", f'<code class="digest" id="input-sha256">{_e(inp.get("sha256"))}</code>'],
+        ["size", f'{_e(_human_bytes(inp.get("bytes")))} ({_e(inp.get("bytes"))} bytes)'],
+    ], table_id="input-table")
+    sig = m.get("inputs") or {}
+    if sig.get("inputs"):
+        out += "<h3>Input signature</h3>" + _table(
+            ["name", "shape", "dtype"],
+            [[_e(i.get("name")), _code(_shape(i.get("shape"))), _e(i.get("dtype"))] for i in sig["inputs"]],
+            table_id="signature-table")
+    dyn = sig.get("dynamic_dims") or {}
+    if dyn:
+        out += "<h3>Dynamic dimensions</h3>" + _table(
+            ["dim", "min", "opt", "max"],
+            [[_e(k)] + [_num_cell(v.get(b)) for b in ("min", "opt", "max")] for k, v in dyn.items()])
+    return out
+
+
+def _toolchain_section(m: dict[str, Any]) -> str:
+    tc = m.get("toolchain") or {}
+    rows = [[_e(k), _code(v) if v else '<span class="note">not installed</span>'] for k, v in tc.items()]
+    return _table(["component", "version"], rows, table_id="toolchain-table")
+
+
+def _spec_section(m: dict[str, Any]) -> str:
+    spec = m.get("spec") or {}
+    rows = [[_e(k), _code(json.dumps(v, default=str))] for k, v in spec.items()]
+    return (_table(["field", "value"], rows, table_id="spec-table")
+            + "<details><summary>Normalized job spec as JSON</summary>"
+            f'<pre id="spec-json">{_e(json.dumps(spec, indent=2, default=str))}</pre></details>')
+
+
+def _capture_section(m: dict[str, Any]) -> str:
+    cap = m.get("capture")
+    if not cap:
+        return '<p class="note">The job stopped before the graph was captured.</p>'
+    attempts = cap.get("attempts") or []
+    rows, classes = [], []
+    for i, a in enumerate(attempts, 1):
+        ok = bool(a.get("ok"))
+        method = a.get("method", "?") + ({True: " (strict)", False: " (non-strict)"}.get(a.get("strict"), ""))
+        why = a.get("error") or a.get("note") or ""
+        rows.append([_num_cell(i), _e(method), _status_cell(ok, "worked" if ok else "failed"),
+                     _e(why), _code(a.get("source_line")) if a.get("source_line") else ""])
+        classes.append("ok" if ok else "fail")
+    worked = next((i for i, a in enumerate(attempts, 1) if a.get("ok")), None)
+    head = (f'<p>Captured with <strong>{_e(cap.get("method"))}</strong> '
+            f'at <strong>{_e(cap.get("level"))}</strong> level'
+            + (f" on rung {worked} of {len(attempts)}" if worked else "") + ".</p>")
+    if not attempts:
+        return head
+    return head + _table(["rung", "method", "result", "why / note", "source line"], rows,
+                         table_id="capture-table", row_classes=classes)
+
+
+def _passes_section(m: dict[str, Any]) -> str:
+    passes = m.get("passes") or []
+    if not passes:
+        out = '<p class="note">No graph passes ran.</p>'
+    else:
+        rows, classes = [], []
+        for p in passes:
+            changed = p.get("changed")
+            badge = ('<span class="badge ok">changed</span>' if changed
+                     else '<span class="badge neutral">unchanged</span>')
+            rows.append([_e(p.get("name")), _e("yes" if p.get("applied") else "no"), badge,
+                         _e(p.get("notes")), _num_cell(p.get("seconds"), "{:.4f}")])
+            classes.append("changed" if changed else "unchanged")
+        out = _table(["pass", "applied", "graph", "what it did", "seconds"], rows, table_id="passes-table",
+                     row_classes=classes)
+    before, after = m.get("graph_before"), m.get("graph_after")
+    if before and after:
+        b_counts, a_counts = before.get("op_counts") or {}, after.get("op_counts") or {}
+        rows = []
+        for target in sorted(set(b_counts) | set(a_counts), key=lambda t: (-(b_counts.get(t, 0)), t)):
+            b, a = b_counts.get(target, 0), a_counts.get(target, 0)
+            delta = f'<span class="badge {"fail" if a > b else "ok"}">{a - b:+d}</span>' if a != b else ""
+            rows.append([_code(target), _num_cell(b), _num_cell(a), delta])
+        out += (f"<h3>Operator counts: {_e(before.get('node_count'))} nodes before, "
+                f"{_e(after.get('node_count'))} after</h3>"
+                + _table(["operator", "before", "after", "change"], rows, table_id="opcount-table"))
+    return out
+
+
+def _artifacts_section(m: dict[str, Any]) -> str:
+    arts = m.get("artifacts") or []
+    if not arts:
+        return '<p class="note">No artifacts were written.</p>'
+    rows = [[_e(a.get("format")), _code(a.get("path")), _num_cell(_human_bytes(a.get("bytes"))),
+             _num_cell(a.get("bytes")), f'<code class="digest">{_e(a.get("sha256"))}</code>'] for a in arts]
+    total = sum(int(a.get("bytes") or 0) for a in arts)
+    return (_table(["format", "file", "size", "bytes", "sha256"], rows, table_id="artifacts-table")
+            + f'<p class="note">{len(arts)} files, {_e(_human_bytes(total))} in all.</p>')
+
+
+def _parity_section(m: dict[str, Any]) -> str:
+    records = m.get("verification") or []
+    if not records:
+        return '<p class="note">No artifact was verified.</p>'
+    tol = (m.get("spec") or {}).get("verify") or {}
+    rows, classes = [], []
+    for r in records:
+        # The comparator keeps each artifact's worst case over every shape it checked: one row per
+        # artifact, its shapes listed. A per-shape breakdown ("per_shape") gets one row per shape.
+        per_shape = r.get("per_shape") or [{**r, "shapes": r.get("shapes_checked") or []}]
+        for s in per_shape:
+            ok = bool(s.get("passed"))
+            shapes = s["shapes"] if "shapes" in s else [s.get("shape")]
+            shape_html = ("<br>".join(_code(_shape(x)) for x in shapes if x is not None)
+                          or '<span class="note">none</span>')
+            rows.append([_e(r.get("format")), _e(r.get("runtime")), shape_html,
+                         _num_cell(s.get("max_abs_diff"), "{:.3g}"), _num_cell(s.get("max_rel_diff"), "{:.3g}"),
+                         _num_cell(s.get("cosine"), "{:.8f}"), _status_cell(ok, "pass" if ok else "FAIL"),
+                         _e(s.get("error") or r.get("error") or "")])
+            classes.append("ok" if ok else "fail")
+    head = ""
+    if tol:
+        head = (f'<p class="note">Tolerances: atol={_e(tol.get("atol"))}, rtol={_e(tol.get("rtol"))}, '
+                f'min cosine={_e(tol.get("min_cosine"))}; {_e(records[0].get("samples"))} samples per artifact. '
+                "Diffs and cosine are the worst over the shapes checked.</p>")
+    headers = ["artifact", "runtime", "shapes checked", "max abs diff", "max rel diff", "cosine", "result", "error"]
+    return head + _table(headers, rows, table_id="parity-table", row_classes=classes)
+
+
+def _profile_section(m: dict[str, Any]) -> Optional[str]:
+    prof = m.get("profile")
+    if not prof or not prof.get("top_nodes"):
+        return None
+    top = prof["top_nodes"]
+    labels = [f"{n.get('node')} ({_short_target(n.get('op'))})" for n in top]
+    values = [float(n.get("ms") or 0.0) for n in top]
+    # pygal draws a horizontal chart's first bar at the bottom: reverse so the slowest node is on top.
+    chart = _bar_chart("profile-chart", labels[::-1], [{"value": v} for v in values[::-1]], horizontal=True,
+                       title="Top nodes by time (ms per run)", value_fmt="{:.3f} ms")
+    rows = [[_e(n.get("node")), _code(n.get("op")), _num_cell(n.get("ms"), "{:.4f}"),
+             _num_cell(100 * float(n.get("share") or 0), "{:.1f}%")] for n in top]
+    return (f'<p>{len(top)} slowest nodes; the whole graph takes <strong>{_e(prof.get("total_ms"))} ms</strong> '
+            "per run (eager, measured by the profile_nodes pass).</p>" + chart
+            + "<details><summary>Node timings table</summary>"
+            + _table(["node", "op", "ms", "share"], rows, table_id="profile-table") + "</details>")
+
+
+def _quantization_section(m: dict[str, Any]) -> Optional[str]:
+    quant = m.get("quantization")
+    if not quant or not quant.get("layers"):
+        return None
+    layers = quant["layers"]
+    labels = [f"{layer.get('node')}{' (fallback)' if layer.get('fallback') else ''}" for layer in layers]
+    values = [{"value": float(layer.get("sqnr_db") or 0.0),
+               "color": "#d93025" if layer.get("fallback") else "#1a73e8"} for layer in layers]
+    chart = _bar_chart("sqnr-chart", labels, values, horizontal=False, title="Per-layer SQNR (dB, higher is better)",
+                       value_fmt="{:.1f} dB")
+    fallbacks = [layer for layer in layers if layer.get("fallback")]
+    rows, classes = [], []
+    for layer in layers:
+        fb = bool(layer.get("fallback"))
+        rows.append([_e(layer.get("node")), _num_cell(layer.get("sqnr_db"), "{:.2f}"),
+                     _num_cell(layer.get("cosine"), "{:.6f}"),
+                     '<span class="badge fail">fallback (fp32)</span>' if fb else '<span class="badge ok">int8</span>'])
+        classes.append("fallback" if fb else "int8")
+    return (f"<p>{len(layers)} quantized layers; <strong>{len(fallbacks)}</strong> fell back to fp32 "
+            '(red bars).</p>' + chart
+            + _table(["layer", "SQNR (dB)", "cosine", "kept as"], rows, table_id="quantization-table",
+                     row_classes=classes))
+
+
+def _graph_section(m: dict[str, Any]) -> Optional[str]:
+    before, after = m.get("graph_before"), m.get("graph_after")
+    if not before and not after:
+        return '<p class="note">No FX graph: the job stopped before capture, or the input was ONNX.</p>'
+    cols = []
+    for key, title in (("graph_before", "Before passes"), ("graph_after", "After passes")):
+        g = m.get(key)
+        if g:
+            gid = key.replace("_", "-")
+            cols.append(f'<div id="{gid}"><h3>{title}</h3>{_graph_block(gid, g)}</div>')
+    return ('<p class="note">Parameters and buffers (get_attr nodes) are folded into the node that uses them. '
+            "Hover a node for its full target.</p>" + f'<div class="graphs">{"".join(cols)}</div>')
+
+
+def _warnings_section(m: dict[str, Any]) -> Optional[str]:
+    warnings = m.get("warnings") or []
+    if not warnings:
+        return None
+    return '<ul id="warnings-list">' + "".join(f"<li>{_e(w)}</li>" for w in warnings) + "</ul>"
+
+
+def _timings_section(m: dict[str, Any]) -> Optional[str]:
+    timings = m.get("timings_s") or {}
+    if not timings:
+        return None
+    return _table(["stage", "seconds"], [[_e(k), _num_cell(v, "{:.3f}")] for k, v in timings.items()],
+                  table_id="timings-table")
+
+
+# ---------------------------------------------------------------- charts (pygal)
+
+
+def _bar_chart(chart_id: str, labels: list[str], values: list[dict[str, Any]], *, horizontal: bool, title: str,
+               value_fmt: str) -> str:
+    try:
+        import pygal
+        from pygal.style import Style
+    except ImportError:
+        return ('<p class="missing">Chart not drawn: the chart library pygal is not installed '
+                "(pip install pygal). The table below has the numbers.</p>")
+    style = Style(background="white", plot_background="white", colors=("#1a73e8",), font_family="sans-serif",
+                  label_font_size=11, major_label_font_size=11, value_font_size=10, title_font_size=14)
+    n = max(len(labels), 1)
+    common = dict(style=style, js=[], disable_xml_declaration=True, show_legend=False, title=title,
+                  print_values=horizontal, value_formatter=lambda v: value_fmt.format(v), truncate_label=-1)
+    if horizontal:
+        chart = pygal.HorizontalBar(width=1100, height=90 + 28 * n, margin_left=10, **common)
+    else:
+        chart = pygal.Bar(width=1100, height=460, x_label_rotation=35, **common)
+    chart.x_labels = labels
+    chart.add("value", values)
+    svg = chart.render(is_unicode=True)
+    # pygal emits a config <script> for its optional JS tooltips and comments with its home page:
+    # neither belongs in a page that runs no scripts and fetches nothing. Its ids are random; make them stable.
+    svg = _strip_scripts_and_comments(svg).replace(f"chart-{chart.uuid}", chart_id).replace(chart.uuid, chart_id)
+    return f'<div class="chart" id="{chart_id}-box">{svg}</div>'
+
+
+# ---------------------------------------------------------------- FX graph (graphviz dot)
+
+
+def _graph_block(prefix: str, g: dict[str, Any]) -> str:
+    nodes = g.get("nodes") or []
+    total = int(g.get("node_count") or len(nodes))
+    notes = []
+    if len(nodes) < total:
+        notes.append(f"the manifest lists only the first {len(nodes)} of {total} nodes")
+    drawn_svg = _graph_svg(prefix, nodes, notes)
+    note_html = "".join(f'<p class="note">{_e(n)}</p>' for n in notes)
+    # What makes a diagram big on the page is its boxes; get_attr nodes are folded, so they don't count.
+    boxes = sum(1 for n in nodes if n.get("op") != "get_attr")
+    open_attr = "" if boxes > COLLAPSE_ABOVE_NODES else " open"
+    diagram = (f'<details class="graph-details"{open_attr}><summary>Graph diagram ({total} nodes, {boxes} drawn '
+               "as boxes)</summary>"
+               f"{note_html}{drawn_svg}</details>")
+    rows = [[_num_cell(i), _code(n.get("name")), _e(n.get("op")), _code(n.get("target")),
+             _e(", ".join(n.get("inputs") or []))] for i, n in enumerate(nodes)]
+    table = (f"<details><summary>All {len(nodes)} nodes as a table</summary>"
+             + _table(["#", "name", "op", "target", "inputs"], rows, table_id=f"{prefix}-nodes") + "</details>")
+    return diagram + table
+
+
+def _graph_svg(prefix: str, nodes: list[dict[str, Any]], notes: list[str]) -> str:
+    try:
+        import graphviz
+    except ImportError:
+        return ('<p class="missing graph-missing">Graph not drawn: the Python package graphviz is not installed '
+                "(pip install graphviz). The node table below lists the graph.</p>")
+    params = {n.get("name") for n in nodes if n.get("op") == "get_attr"}
+    drawable = [n for n in nodes if n.get("op") != "get_attr"]
+    if len(drawable) > MAX_DRAWN_NODES:
+        notes.append(f"drawing only the first {MAX_DRAWN_NODES} of {len(drawable)} nodes (get_attr nodes aside); "
+                     "the table has them all")
+        drawable = drawable[:MAX_DRAWN_NODES]
+    # Node ids in DOT are opaque (n0, n1, ...): user-controlled names only ever appear in labels and
+    # tooltips, which dot XML-escapes, never in the SVG comments or ids it writes.
+    ids = {n.get("name"): f"n{i}" for i, n in enumerate(drawable)}
+    dot = graphviz.Digraph("fx", graph_attr={"rankdir": "TB", "nodesep": "0.25", "ranksep": "0.3"},
+                           node_attr={"shape": "box", "style": "rounded,filled", "fontname": "Helvetica",
+                                      "fontsize": "10", "height": "0.3", "margin": "0.08,0.03"},
+                           edge_attr={"arrowsize": "0.6", "color": "#5f6368"})
+    colors = {"placeholder": "#c8e6c9", "output": "#ffe0b2", "call_module": "#bbdefb",
+              "call_function": "#e3f2fd", "call_method": "#e1bee7"}
+    for n in drawable:
+        name, op = str(n.get("name")), str(n.get("op"))
+        folded = [i for i in n.get("inputs") or [] if i in params]
+        short = _short_target(n.get("target"))
+        lines = [name] if op in ("placeholder", "output") or short == name else [name, short]
+        if folded:
+            lines.append(f"+{len(folded)} param{'s' if len(folded) > 1 else ''}")
+        label = graphviz.nohtml("\\n".join(_dot_text(s) for s in lines))
+        tooltip = graphviz.nohtml(_dot_text(f"{name}: {op} {n.get('target')}"
+                                            + (f" | params: {', '.join(folded)}" if folded else "")))
+        dot.node(ids[name], label=label, tooltip=tooltip, fillcolor=colors.get(op, "#eeeeee"),
+                 shape="ellipse" if op in ("placeholder", "output") else "box")
+    for n in drawable:
+        for src in n.get("inputs") or []:
+            if src in ids:
+                dot.edge(ids[src], ids[str(n.get("name"))])
+    try:
+        svg = graphviz.pipe("dot", "svg", dot.source.encode("utf-8"), quiet=True).decode("utf-8")
+    except graphviz.ExecutableNotFound:
+        return ('<p class="missing graph-missing">Graph not drawn: the layout tool Graphviz <code>dot</code> is not '
+                "installed (apt-get install graphviz). The node table below lists the graph.</p>")
+    except Exception as exc:  # a dot crash on an odd graph must not cost the rest of the report
+        return f'<p class="missing graph-missing">Graph not drawn: dot failed: {_e(type(exc).__name__)}: {_e(exc)}</p>'
+    svg = svg[svg.find("<svg"):]  # drop the XML prolog and DOCTYPE: invalid inside HTML
+    svg = _strip_scripts_and_comments(svg)
+    # Two graphs share one page: make dot's ids (graph0, node1, ...) unique per graph.
+    svg = re.sub(r'\bid="([^"]*)"', lambda mt: f'id="{prefix}-{mt.group(1)}"', svg)
+    return f'<div class="graph-svg">{svg}</div>'
+
+
+def _dot_text(s: str) -> str:
+    # In a DOT label a backslash starts an escape (\n, \l, \N); a node name must print as written.
+    return str(s).replace("\\", "\\\\")
+
+
+# ---------------------------------------------------------------- small HTML helpers
+
+
+def _e(value: Any) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _code(value: Any) -> str:
+    return f"<code>{_e(value)}</code>"
+
+
+def _table(headers: list[str], rows: Iterable[list[str]], *, table_id: str | None = None,
+           row_classes: list[str] | None = None) -> str:
+    """Rows hold cells that are already HTML (escaped by the caller)."""
+    tid = f' id="{table_id}"' if table_id else ""
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = []
+    for i, row in enumerate(rows):
+        cls = f' class="{row_classes[i]}"' if row_classes else ""
+        body.append(f"<tr{cls}>" + "".join(c if c.startswith("<td") else f"<td>{c}</td>" for c in row) + "</tr>")
+    return f"<table{tid}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _num_cell(value: Any, fmt: str = "{}") -> str:
+    if value is None or value == "":
+        return '<td class="num"></td>'
+    try:
+        text = fmt.format(value)
+    except (ValueError, TypeError):
+        text = str(value)
+    return f'<td class="num">{_e(text)}</td>'
+
+
+def _status_cell(ok: bool, text: str) -> str:
+    return f'<td class="status {"ok" if ok else "fail"}">{_e(text)}</td>'
+
+
+def _status_badge(status: str, text: str | None = None) -> str:
+    cls = {"succeeded": "ok", "passed": "ok", "failed": "fail", "cancelled": "fail"}.get(status, "neutral")
+    return f'<span class="badge {cls}" id="status-badge-{_e(status)}">{_e(text or status)}</span>'
+
+
+def _shape(shape: Any) -> str:
+    if isinstance(shape, list):
+        return "[" + ", ".join(_shape(s) if isinstance(s, list) else str(s) for s in shape) + "]"
+    return str(shape)
+
+
+def _short_target(target: Any) -> str:
+    """'aten.conv2d.default' → 'conv2d'; '_operator.getitem' → 'getitem'; module paths stay."""
+    t = str(target or "")
+    if t.startswith("aten."):
+        return t.split(".")[1]
+    if t.startswith(("_operator.", "torch.", "builtins.")):
+        return t.rsplit(".", 1)[-1]
+    return t
+
+
+def _human_bytes(n: Any) -> str:
+    try:
+        size = float(n)
+    except (TypeError, ValueError):
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+_SCRIPT_RE = re.compile(r"<script\b[^>]*>.*?</script\s*>", re.S | re.I)
+_COMMENT_RE = re.compile(r"<!--.*?-->", re.S)
+
+
+def _strip_scripts_and_comments(svg: str) -> str:
+    return _COMMENT_RE.sub("", _SCRIPT_RE.sub("", svg))

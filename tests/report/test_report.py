@@ -1,0 +1,301 @@
+"""report.html from a fixed manifest: every section renders, optional ones vanish, hostile strings stay text."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from fxport.report import COLLAPSE_ABOVE_NODES, MAX_DRAWN_NODES, render_report, write_report
+from tests.report.conftest import ReportIndex, remote_refs
+
+ALWAYS = ("overview", "parity", "capture", "passes", "graph", "artifacts", "input", "toolchain", "spec", "timings")
+
+
+def _index(m: dict[str, Any]) -> tuple[str, ReportIndex]:
+    text = render_report(m)
+    return text, ReportIndex(text)
+
+
+# ---------------------------------------------------------------- each section from the fixed manifest
+
+
+def test_every_section_of_the_int8_resnet18_report_renders(manifest: dict[str, Any]) -> None:
+    text, idx = _index(manifest)
+    for sid in ALWAYS + ("profile", "quantization", "warnings"):
+        assert sid in idx.ids, f"section #{sid} missing"
+    assert "error" not in idx.ids  # a succeeded job has no error section
+    assert "could not be rendered" not in text
+    assert text.startswith("<!DOCTYPE html>")
+
+
+def test_input_digest_spec_and_toolchain(manifest: dict[str, Any]) -> None:
+    text, idx = _index(manifest)
+    assert manifest["input"]["sha256"] in text
+    assert idx.body_rows["toolchain-table"] == len(manifest["toolchain"])
+    assert idx.body_rows["spec-table"] == len(manifest["spec"])
+    assert idx.body_rows["signature-table"] == 1
+    assert "2.13.0+cpu" in text and "not installed" in text  # tensorrt is None in the fixture
+
+
+def test_capture_ladder_shows_which_rung_worked_and_why_others_failed(manifest: dict[str, Any]) -> None:
+    manifest["capture"] = {"method": "export", "level": "aten", "attempts": [
+        {"method": "export", "strict": False, "ok": False, "error": "data-dependent control flow",
+         "source_line": "model.py:42: if x.sum() > 0:"},
+        {"method": "export", "strict": True, "ok": True},
+    ]}
+    text, idx = _index(manifest)
+    assert idx.body_rows["capture-table"] == 2
+    assert "on rung 2 of 2" in text
+    assert "data-dependent control flow" in text and "model.py:42: if x.sum() &gt; 0:" in text
+    assert '<tr class="fail">' in text and '<tr class="ok">' in text
+
+
+def test_passes_table_and_operator_count_changes(manifest: dict[str, Any]) -> None:
+    text, idx = _index(manifest)
+    assert idx.body_rows["passes-table"] == len(manifest["passes"])
+    assert "folded 20 batch_norm into conv2d" in text
+    assert '<tr class="changed">' in text
+    # batch_norm goes 20 -> 0 with fuse_conv_bn
+    assert "-20</span>" in text
+    assert idx.body_rows["opcount-table"] == len(set(manifest["graph_before"]["op_counts"])
+                                                 | set(manifest["graph_after"]["op_counts"]))
+
+
+def test_artifact_table_has_every_file_with_size_and_digest(manifest: dict[str, Any]) -> None:
+    text, idx = _index(manifest)
+    assert idx.body_rows["artifacts-table"] == len(manifest["artifacts"])
+    for a in manifest["artifacts"]:
+        assert a["sha256"] in text and a["path"] in text
+
+
+def test_parity_table_one_row_per_artifact_coloured(manifest: dict[str, Any]) -> None:
+    manifest["verification"][1].update(passed=False, cosine=0.91, max_abs_diff=0.5)
+    text, idx = _index(manifest)
+    assert idx.body_rows["parity-table"] == len(manifest["verification"])
+    assert text.count('<td class="status ok">pass</td>') == len(manifest["verification"]) - 1
+    assert text.count('<td class="status fail">FAIL</td>') == 1
+    assert "[4, 3, 64, 64]" in text  # every shape checked is listed
+
+
+def test_parity_rows_per_shape_when_the_manifest_breaks_them_down(manifest: dict[str, Any]) -> None:
+    rec = manifest["verification"][0]
+    rec["per_shape"] = [{"shape": s, "max_abs_diff": 1e-6, "max_rel_diff": 1e-5, "cosine": 1.0, "passed": i != 2}
+                        for i, s in enumerate(rec["shapes_checked"])]
+    _, idx = _index(manifest)
+    assert idx.body_rows["parity-table"] == len(manifest["verification"]) - 1 + len(rec["shapes_checked"])
+
+
+def test_profile_bar_chart_is_inline_svg(manifest: dict[str, Any]) -> None:
+    text, idx = _index(manifest)
+    assert idx.svg_in.get("profile") == 1
+    assert "profile-chart" in idx.ids
+    top = manifest["profile"]["top_nodes"]
+    assert idx.body_rows["profile-table"] == len(top)
+    assert f"{top[0]['node']} (linear)" in text  # chart label: node and short op
+
+
+def test_sqnr_chart_marks_fallback_layers(manifest: dict[str, Any]) -> None:
+    text, idx = _index(manifest)
+    layers = manifest["quantization"]["layers"]
+    fallbacks = [layer for layer in layers if layer.get("fallback")]
+    assert fallbacks, "the fixture must keep one fallback layer"
+    assert idx.svg_in.get("quantization") == 1
+    assert idx.body_rows["quantization-table"] == len(layers)
+    assert text.count('<tr class="fallback">') == len(fallbacks)
+    assert f"{fallbacks[0]['node']} (fallback)" in text  # the chart's axis label
+    assert "#d93025" in text  # the fallback bar's colour
+
+
+def test_graph_before_and_after_are_drawn_and_big_ones_collapse(manifest: dict[str, Any], dot_binary: str) -> None:
+    text, idx = _index(manifest)
+    assert idx.svg_in.get("graph") == 2
+    assert "graph-before" in idx.ids and "graph-after" in idx.ids
+    assert "graph-before-graph0" in idx.ids and "graph-after-graph0" in idx.ids  # dot's ids made unique
+    assert idx.body_rows["graph-after-nodes"] == len(manifest["graph_after"]["nodes"])
+    boxes = sum(1 for n in manifest["graph_after"]["nodes"] if n["op"] != "get_attr")
+    assert boxes > COLLAPSE_ABOVE_NODES
+    assert '<details class="graph-details"><summary>' in text  # collapsed, not open
+
+
+def test_small_graph_is_drawn_open(manifest: dict[str, Any], dot_binary: str) -> None:
+    small = {"node_count": 3, "op_counts": {"aten.relu.default": 1}, "nodes": [
+        {"name": "x", "op": "placeholder", "target": "x", "inputs": []},
+        {"name": "relu", "op": "call_function", "target": "aten.relu.default", "inputs": ["x"]},
+        {"name": "output", "op": "output", "target": "output", "inputs": ["relu"]}]}
+    manifest["graph_before"] = manifest["graph_after"] = small
+    text, _ = _index(manifest)
+    assert text.count('<details class="graph-details" open>') == 2
+
+
+def test_huge_graph_draws_only_the_first_nodes_and_says_so(manifest: dict[str, Any]) -> None:
+    n = MAX_DRAWN_NODES + 50
+    nodes = [{"name": "x", "op": "placeholder", "target": "x", "inputs": []}]
+    nodes += [{"name": f"relu_{i}", "op": "call_function", "target": "aten.relu.default",
+               "inputs": [nodes[-1]["name"] if i == 0 else f"relu_{i - 1}"]} for i in range(n)]
+    manifest["graph_after"] = {"node_count": 5000, "op_counts": {"aten.relu.default": n}, "nodes": nodes}
+    text, idx = _index(manifest)
+    assert f"drawing only the first {MAX_DRAWN_NODES} of {n + 1} nodes" in text
+    assert f"lists only the first {n + 1} of 5000 nodes" in text
+    assert idx.body_rows["graph-after-nodes"] == n + 1  # the table keeps them all
+
+
+# ---------------------------------------------------------------- optional sections and failures
+
+
+def test_without_profile_or_quantization_those_sections_are_absent(manifest: dict[str, Any]) -> None:
+    manifest["profile"] = None
+    del manifest["quantization"]
+    manifest["warnings"] = []
+    text, idx = _index(manifest)
+    for sid in ("profile", "quantization", "warnings"):
+        assert sid not in idx.ids
+        assert f'href="#{sid}"' not in text
+    for sid in ALWAYS:
+        assert sid in idx.ids
+
+
+def test_failed_job_renders_the_error_first(manifest: dict[str, Any]) -> None:
+    manifest.update(status="failed", capture=None, passes=[], artifacts=[], verification=[], profile=None,
+                    quantization=None, error={"stage": "capture", "code": "conversion_failed",
+                                              "message": "every capture rung failed: fx: Proxy cannot be iterated",
+                                              "detail": None, "field": None})
+    for k in ("graph_before", "graph_after", "inputs"):
+        manifest.pop(k)
+    text, idx = _index(manifest)
+    assert "error" in idx.ids
+    assert text.index('id="error"') < text.index('id="overview"')
+    assert "failed during capture" in text and "Proxy cannot be iterated" in text
+    assert "status-badge-failed" in idx.ids
+    assert "stopped before the graph was captured" in text
+    assert "could not be rendered" not in text
+
+
+def test_a_malformed_section_costs_only_that_section(manifest: dict[str, Any]) -> None:
+    manifest["passes"] = "not a list of records"
+    text, idx = _index(manifest)
+    assert "The passes section could not be rendered" in text
+    assert "parity-table" in idx.ids
+
+
+# ---------------------------------------------------------------- safety: escaping, no network
+
+
+HOSTILE = "<script>alert(1)</script>"
+HOSTILE_ATTR = '"><img src=x onerror=alert(2)>'
+
+
+def _poison(m: dict[str, Any]) -> dict[str, Any]:
+    g = m["graph_after"]
+    g["nodes"][1]["name"] = HOSTILE
+    g["nodes"][1]["target"] = HOSTILE_ATTR + "-->"
+    g["nodes"][2]["inputs"] = [HOSTILE]
+    g["op_counts"][HOSTILE] = 1
+    m["job_id"] = HOSTILE
+    m["warnings"] = [HOSTILE, "see https://evil.example/x.js"]
+    m["passes"][0]["notes"] = HOSTILE_ATTR
+    m["profile"]["top_nodes"][0]["node"] = HOSTILE
+    m["quantization"]["layers"][0]["node"] = HOSTILE
+    m["artifacts"][0]["path"] = HOSTILE_ATTR
+    m["capture"]["attempts"][0]["note"] = HOSTILE
+    m["toolchain"]["torch"] = HOSTILE
+    m["spec"]["labels"] = {HOSTILE: HOSTILE_ATTR}
+    m["error"] = {"stage": HOSTILE, "message": HOSTILE_ATTR}
+    return m
+
+
+def test_hostile_strings_from_the_manifest_are_escaped_everywhere(manifest: dict[str, Any], dot_binary: str) -> None:
+    text = render_report(_poison(manifest))
+    assert "<script" not in text.lower()  # the report never has a script, so any would be injected
+    assert "<img" not in text.lower()
+    assert "onerror=alert(2)>" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert 'id="graph-after-graph0"' in text  # the poisoned graph was drawn, not skipped
+    assert "could not be rendered" not in text
+
+
+def test_report_has_no_remote_references(manifest: dict[str, Any]) -> None:
+    for m in (manifest, _poison(json.loads(json.dumps(manifest)))):
+        text = render_report(m)
+        assert remote_refs(text) == []
+        assert "Content-Security-Policy" in text and "default-src 'none'" in text
+        # the only links are the in-page navigation
+        assert all(h.startswith("#") for h in re.findall(r'\bhref="([^"]*)"', text))
+
+
+def test_remote_ref_probe_catches_what_it_must() -> None:
+    bad = ['<img src="https://x.example/a.png">', "<script src='//cdn.example/x.js'></script>",
+           '<link href="http://x.example/s.css">', "<style>a{background:url(https://x.example/i.png)}</style>",
+           "<style>@import 'x.css';</style>", '<image xlink:href="https://x.example/i.png"/>']
+    for b in bad:
+        assert remote_refs(b), b
+    assert remote_refs('<svg xmlns="http://www.w3.org/2000/svg"><a href="#parity">x</a></svg>') == []
+
+
+# ---------------------------------------------------------------- missing tools degrade, never crash
+
+
+def test_missing_dot_binary_leaves_a_note_and_the_tables(manifest: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` on an empty PATH
+    text, idx = _index(manifest)
+    assert "Graphviz <code>dot</code> is not installed" in text
+    assert idx.svg_in.get("graph") is None
+    assert "graph-after-nodes" in idx.ids
+    assert idx.svg_in.get("profile") == 1  # charts don't need dot
+
+
+def test_missing_python_libraries_leave_notes(manifest: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pygal", None)  # import pygal -> ImportError
+    monkeypatch.setitem(sys.modules, "graphviz", None)
+    text, idx = _index(manifest)
+    assert "pygal is not installed" in text and "graphviz is not installed" in text
+    assert not idx.svg_in
+    assert "profile-table" in idx.ids and "quantization-table" in idx.ids
+
+
+# ---------------------------------------------------------------- files, CLI, thin-client imports
+
+
+def test_write_report_puts_report_html_beside_the_manifest(tmp_path: Path, manifest: dict[str, Any]) -> None:
+    mpath = tmp_path / "job" / "manifest.json"
+    mpath.parent.mkdir()
+    mpath.write_text(json.dumps(manifest))
+    out = write_report(mpath)
+    assert out == mpath.with_name("report.html")
+    assert 'id="parity-table"' in out.read_text()
+
+
+def test_report_command_writes_and_prints_the_path(tmp_path: Path, manifest: dict[str, Any]) -> None:
+    import typer
+
+    from fxport.client.report_command import report_command
+
+    app = typer.Typer()
+    app.command()(report_command)
+    mpath = tmp_path / "manifest.json"
+    mpath.write_text(json.dumps(manifest))
+    dest = tmp_path / "out" / "r.html"
+    res = CliRunner().invoke(app, [str(mpath), "--out", str(dest)])
+    assert res.exit_code == 0, res.output
+    assert str(dest) in res.output and dest.is_file()
+
+    missing = CliRunner().invoke(app, [str(tmp_path / "nope.json")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = CliRunner().invoke(app, [str(tmp_path / "bad.json")])
+    assert bad.exit_code == 2 and "not a readable manifest" in bad.output
+
+
+def test_renderer_imports_neither_torch_nor_onnx() -> None:
+    code = ("import sys, fxport.report, fxport.client.report_command; "
+            "bad = [m for m in ('torch', 'onnx', 'onnxruntime', 'tensorrt') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr

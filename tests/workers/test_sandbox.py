@@ -1,0 +1,115 @@
+"""The sandbox contains a model that misbehaves while it loads: no credentials, no network,
+bounded memory and time — and the job fails naming the stage and the limit."""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fxport.errors import FxportError, ResourceLimitExceeded
+from fxport.spec import parse_spec
+from fxport.workers.sandbox import run_engine_job
+
+SPEC = parse_spec({"inputs": [{"name": "x", "shape": [2, 4]}], "targets": ["onnx"], "passes": []})
+
+# Misbehaves only inside the sandbox (which sets FXPORT_SANDBOX_EVENT_FD), so the test itself
+# can build and package the model safely.
+TEMPLATE = """
+import os, torch
+if os.environ.get("FXPORT_SANDBOX_EVENT_FD"):
+{payload}
+class Hostile(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+    def forward(self, x):
+        return self.fc(x)
+"""
+
+
+def hostile_package(tmp_path: Path, name: str, payload: str) -> Path:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / f"{name}.py").write_text(TEMPLATE.format(payload=textwrap.indent(textwrap.dedent(payload), "    ")))
+    sys.path.insert(0, str(src))
+    try:
+        module = importlib.import_module(name)
+        from torch.package import PackageExporter
+
+        path = tmp_path / f"{name}.pkg"
+        with PackageExporter(str(path)) as exporter:
+            exporter.extern("torch.**")
+            exporter.intern(name)
+            exporter.save_pickle("model", "model.pkl", module.Hostile().eval())
+        return path
+    finally:
+        sys.path.remove(str(src))
+        sys.modules.pop(name, None)
+
+
+def test_environment_is_scrubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
+    monkeypatch.setenv("FXPORT_BROKER_URL", "redis://:pw@127.0.0.1:1/0")
+    model = hostile_package(tmp_path, "leak_env", """
+        raise RuntimeError("ENV=" + ";".join(f"{k}={v}" for k, v in os.environ.items()))
+    """)
+    with pytest.raises(FxportError) as info:
+        run_engine_job(model, SPEC, tmp_path / "out", job_id="t-env")
+    text = str(info.value)
+    assert "ENV=" in text  # the payload ran, inside the sandbox
+    assert "s3cr3t" not in text and "AWS_SECRET" not in text and "FXPORT_BROKER_URL" not in text
+    assert info.value.stage == "load"
+
+
+def test_no_network_even_to_loopback(tmp_path: Path) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    try:
+        model = hostile_package(tmp_path, "dial_out", f"""
+            import socket
+            try:
+                socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
+                raise RuntimeError("NET=reached")
+            except OSError as exc:
+                raise RuntimeError(f"NET=blocked {{exc}}")
+        """)
+        with pytest.raises(FxportError) as info:
+            run_engine_job(model, SPEC, tmp_path / "out", job_id="t-net")
+    finally:
+        listener.close()
+    assert "NET=blocked" in str(info.value), str(info.value)
+
+
+def test_unbounded_allocation_hits_the_memory_limit(tmp_path: Path) -> None:
+    model = hostile_package(tmp_path, "eat_memory", """
+        hog = [bytearray(256 << 20) for _ in range(10_000)]
+    """)
+    spec = SPEC.model_copy(update={"limits": SPEC.limits.model_copy(update={"memory_mb": 3072})})
+    with pytest.raises(ResourceLimitExceeded) as info:
+        run_engine_job(model, spec, tmp_path / "out", job_id="t-mem")
+    assert "memory" in str(info.value) and info.value.stage == "load"
+
+
+def test_a_hang_is_killed_at_the_wall_clock_limit(tmp_path: Path) -> None:
+    model = hostile_package(tmp_path, "hang", """
+        import time
+        time.sleep(3600)
+    """)
+    with pytest.raises(ResourceLimitExceeded) as info:
+        run_engine_job(model, SPEC, tmp_path / "out", job_id="t-hang", timeout_s=8)
+    assert "8 s wall-clock limit during load" in str(info.value)
+
+
+def test_a_good_model_still_converts(tmp_path: Path) -> None:
+    model = hostile_package(tmp_path, "benign", "pass")
+    manifest = run_engine_job(model, SPEC, tmp_path / "out", job_id="t-ok")
+    assert manifest["verification"][0]["passed"]
+    assert manifest["sandbox"]["memory_limit_mb"] == SPEC.limits.memory_mb
+    assert (tmp_path / "out" / "model.onnx").is_file()
