@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import resource
+import select
 import signal
 import subprocess
 import sys
@@ -69,6 +70,154 @@ def hide_parent_environment() -> None:
         pass
 
 
+def _scrubbed_env(work: Path | None = None) -> dict[str, str]:
+    env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", FXPORT_SANDBOX="1",
+               OMP_NUM_THREADS=os.environ.get("FXPORT_SANDBOX_THREADS", str(os.cpu_count() or 1)))
+    if work is not None:
+        env.update(HOME=str(work), TMPDIR=str(work / "tmp"))
+    return env
+
+
+class _ColdLaunch:
+    """A fresh interpreter per job: pays `import torch` every time (the fallback)."""
+
+    def __init__(self, request_path: Path, env: dict[str, str], log_path: Path) -> None:
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fxport.workers.sandbox_child", str(request_path)],
+                cwd=request_path.parent, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError from None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+class _WarmLaunch:
+    def __init__(self, zygote: "WarmSandbox", job: int, pid: int) -> None:
+        self.zygote, self.job, self.pid = zygote, job, pid
+
+    def wait(self, timeout: float) -> int:
+        return self.zygote.wait(self.job, timeout)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.zygote.wait(self.job, 30)
+        except TimeoutError:
+            pass
+
+
+class WarmSandbox:
+    """A warm parent (the zygote) with torch, onnx and the engine imported, forking one child
+    per job (DESIGN.md §8): a job pays a fork (milliseconds), not an interpreter start and
+    `import torch` (seconds). The zygote itself starts with the scrubbed environment, so no
+    child can inherit a credential, and it never runs a torch op, so forking is safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+        self._next = 0
+        self._started: dict[int, tuple[threading.Event, list[int]]] = {}
+        self._exited: dict[int, tuple[threading.Event, list[int]]] = {}
+
+    def _ensure(self) -> subprocess.Popen[str]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "fxport.workers.sandbox_zygote"], env=_scrubbed_env(), cwd="/",
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+            start_new_session=True,
+        )
+        ready = self._proc.stdout.readline() if self._proc.stdout else ""
+        if '"ready"' not in ready:
+            self._proc.kill()
+            self._proc = None
+            raise RuntimeError("the warm sandbox did not start")
+        threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
+        return self._proc
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            msg = json.loads(line)
+            table = self._started if "started" in msg else self._exited
+            with self._lock:
+                event, box = table.setdefault(msg["job"], (threading.Event(), []))
+            box.append(msg.get("started", msg.get("status")))
+            event.set()
+        # the zygote died: wake every waiter with a failure status
+        with self._lock:
+            for table in (self._started, self._exited):
+                for event, box in table.values():
+                    if not event.is_set():
+                        box.append(-int(signal.SIGKILL))
+                        event.set()
+
+    def launch(self, request_path: Path, env: dict[str, str], log_path: Path) -> _WarmLaunch:
+        with self._lock:
+            proc = self._ensure()
+            self._next += 1
+            job = self._next
+            self._started[job] = (threading.Event(), [])
+            self._exited[job] = (threading.Event(), [])
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps({"job": job, "request": str(request_path), "log": str(log_path),
+                                         "env": env}) + "\n")
+            proc.stdin.flush()
+        event, box = self._started[job]
+        if not event.wait(30) or box[0] < 0:
+            raise RuntimeError("the warm sandbox could not fork a job")
+        return _WarmLaunch(self, job, box[0])
+
+    def wait(self, job: int, timeout: float) -> int:
+        event, box = self._exited[job]
+        if not event.wait(timeout):
+            raise TimeoutError
+        with self._lock:
+            self._started.pop(job, None)
+            self._exited.pop(job, None)
+        return box[0]
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
+_warm: WarmSandbox | None = None
+_warm_lock = threading.Lock()
+
+
+def _launch(request_path: Path, env: dict[str, str], log_path: Path) -> _ColdLaunch | _WarmLaunch:
+    global _warm
+    if os.environ.get("FXPORT_SANDBOX_MODE", "warm") == "warm":
+        with _warm_lock:
+            if _warm is None:
+                _warm = WarmSandbox()
+        try:
+            return _warm.launch(request_path, env, log_path)
+        except Exception:
+            logging.getLogger(__name__).warning("warm sandbox unavailable; starting a cold one", exc_info=True)
+    return _ColdLaunch(request_path, env, log_path)
+
+
 def run_engine_job(
     model_path: Path,
     spec: JobSpec,
@@ -88,30 +237,36 @@ def run_engine_job(
     with tempfile.TemporaryDirectory(prefix="fxport-sandbox-") as work_str:
         work = Path(work_str)
         (work / "tmp").mkdir()
+        events_path = work / "events"
+        os.mkfifo(events_path, 0o600)
         request = {
             "model_path": str(model_path.resolve()), "spec": spec.normalized(), "out_dir": str(out_dir.resolve()),
             "job_id": job_id, "calibration_path": str(calibration_path) if calibration_path else None,
             "limits": {"memory_bytes": memory, "cpu_seconds": int(timeout) + 1, "isolate_network": isolate_network},
+            "events_path": str(events_path),
         }
         (work / "request.json").write_text(json.dumps(request))
-        env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
-        env.update(HOME=str(work), TMPDIR=str(work / "tmp"), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-                   OMP_NUM_THREADS=os.environ.get("FXPORT_SANDBOX_THREADS", str(os.cpu_count() or 1)))
-        event_r, event_w = os.pipe()
-        env["FXPORT_SANDBOX_EVENT_FD"] = str(event_w)
         log_path = work / "sandbox.log"
         last_stage = {"stage": "load"}
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "fxport.workers.sandbox_child", str(work / "request.json")],
-                cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                pass_fds=(event_w,), start_new_session=True,
-            )
-        os.close(event_w)
+        # O_RDWR: opening never blocks and never reads EOF early, whenever the child opens its end
+        events_fd = os.open(events_path, os.O_RDWR | os.O_NONBLOCK)
+        done = threading.Event()
 
         def pump() -> None:
-            with os.fdopen(event_r, "r") as events:
-                for line in events:
+            buffer = b""
+            while True:
+                ready, _, _ = select.select([events_fd], [], [], 0.2)
+                if not ready:
+                    if done.is_set():
+                        break
+                    continue
+                try:
+                    chunk = os.read(events_fd, 65536)
+                except BlockingIOError:
+                    continue
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
                     try:
                         event = json.loads(line)
                     except ValueError:
@@ -123,20 +278,23 @@ def run_engine_job(
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         started = time.monotonic()
+        launch = _launch(work / "request.json", _scrubbed_env(work), log_path)
         try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            rc = launch.wait(timeout)
+        except TimeoutError:
+            launch.kill()
             raise errors.ResourceLimitExceeded(
                 f"the model ran past the {timeout:.0f} s wall-clock limit during {last_stage['stage']}",
                 stage=last_stage["stage"], hint="raise spec.limits.timeout_s (within the server maximum) "
                 "or check the model for a hang in forward()",
             ) from None
         except BaseException:
-            _kill_group(proc)
+            launch.kill()
             raise
         finally:
+            done.set()
             reader.join(timeout=5)
+            os.close(events_fd)
         elapsed = time.monotonic() - started
         result_path = work / "result.json"
         if rc != 0 or not result_path.exists():
@@ -156,14 +314,6 @@ def run_engine_job(
     _validate_outputs(manifest, out_dir)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     return manifest
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

@@ -1,4 +1,8 @@
-"""Entry point of the sandbox child process: run the engine on request.json, write result.json."""
+"""The sandbox child: apply limits, leave the network, run the engine on request.json, write result.json.
+
+Runs either as a fresh interpreter (`python -m fxport.workers.sandbox_child request.json`)
+or forked from the warm zygote (`run_request`); everything the model can touch starts here.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,12 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 
-def main(request_path: str) -> int:
+def run_request(request_path: str) -> int:
     request = json.loads(Path(request_path).read_text())
     work = Path(request_path).parent
-    event_fd = int(os.environ.get("FXPORT_SANDBOX_EVENT_FD", "-1"))
-    events = os.fdopen(event_fd, "w", buffering=1) if event_fd >= 0 else None
-
-    def on_progress(event: dict) -> None:
-        if events:
-            events.write(json.dumps(event) + "\n")
 
     from fxport.workers.sandbox import apply_limits
 
@@ -25,6 +24,17 @@ def main(request_path: str) -> int:
     isolated = apply_limits(limits["memory_bytes"], limits["cpu_seconds"], limits["isolate_network"])
     sandbox_info = {"network_isolated": isolated, "memory_limit_mb": limits["memory_bytes"] >> 20,
                     "cpu_limit_s": limits["cpu_seconds"]}
+
+    import torch
+
+    # A child forked from a parent that ran a multithreaded op can hang in torch's thread pool
+    # (ENVIRONMENT.md); setting the thread count first thing avoids it.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    events = open(request["events_path"], "w", buffering=1) if request.get("events_path") else None
+
+    def on_progress(event: dict[str, Any]) -> None:
+        if events:
+            events.write(json.dumps(event) + "\n")
 
     from fxport.errors import FxportError
     from fxport.spec import JobSpec
@@ -38,7 +48,7 @@ def main(request_path: str) -> int:
             on_progress=on_progress,
         )
         manifest["sandbox"] = sandbox_info
-        result = {"ok": True, "manifest": manifest}
+        result: dict[str, Any] = {"ok": True, "manifest": manifest}
     except FxportError as exc:
         result = {"ok": False, "error": {**exc.to_dict(), "message": str(exc)}}
     except MemoryError:
@@ -56,4 +66,4 @@ def main(request_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(run_request(sys.argv[1]))

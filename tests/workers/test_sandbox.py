@@ -17,11 +17,11 @@ from fxport.workers.sandbox import run_engine_job
 
 SPEC = parse_spec({"inputs": [{"name": "x", "shape": [2, 4]}], "targets": ["onnx"], "passes": []})
 
-# Misbehaves only inside the sandbox (which sets FXPORT_SANDBOX_EVENT_FD), so the test itself
+# Misbehaves only inside the sandbox (which sets FXPORT_SANDBOX), so the test itself
 # can build and package the model safely.
 TEMPLATE = """
 import os, torch
-if os.environ.get("FXPORT_SANDBOX_EVENT_FD"):
+if os.environ.get("FXPORT_SANDBOX"):
 {payload}
 class Hostile(torch.nn.Module):
     def __init__(self):
@@ -107,9 +107,26 @@ def test_a_hang_is_killed_at_the_wall_clock_limit(tmp_path: Path) -> None:
     assert "8 s wall-clock limit during load" in str(info.value)
 
 
-def test_a_good_model_still_converts(tmp_path: Path) -> None:
-    model = hostile_package(tmp_path, "benign", "pass")
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_a_good_model_still_converts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setenv("FXPORT_SANDBOX_MODE", mode)
+    model = hostile_package(tmp_path, f"benign_{mode}", "pass")
     manifest = run_engine_job(model, SPEC, tmp_path / "out", job_id="t-ok")
     assert manifest["verification"][0]["passed"]
     assert manifest["sandbox"]["memory_limit_mb"] == SPEC.limits.memory_mb
     assert (tmp_path / "out" / "model.onnx").is_file()
+
+
+def test_warm_children_use_all_threads_and_do_not_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a multithreaded conv net, twice through the same zygote: the fork-after-warm-up must not deadlock
+    monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
+    monkeypatch.setenv("FXPORT_SANDBOX_THREADS", "2")
+    from tests.models import get
+    from tests.workers.engine.conftest import save_pt2, spec_dict
+
+    case = get("resnet18_small")
+    model = save_pt2(case, tmp_path / "r.pt2")
+    spec = parse_spec(spec_dict(case, targets=("onnx",)))
+    for i in range(2):
+        manifest = run_engine_job(model, spec, tmp_path / f"out{i}", job_id=f"t-r{i}", timeout_s=120)
+        assert manifest["verification"][0]["passed"]
