@@ -6,6 +6,7 @@ eager vs fused eager (fuse_conv_bn applied) vs ONNX Runtime, measured side by si
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
@@ -24,15 +25,18 @@ from tests.models import get  # noqa: E402
 from tests.workers.engine.conftest import save_pt2, spec_dict  # noqa: E402
 
 
-def latency_ms(fn, args, runs: int = 30) -> float:
-    for _ in range(3):
-        fn(*args)
-    samples = []
+def latency_ms(fns: dict, args, runs: int = 30) -> dict[str, float]:
+    """Median ms per runtime, measured round-robin so a load change hits every runtime alike."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn(*args)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(runs):
-        t = time.perf_counter()
-        fn(*args)
-        samples.append((time.perf_counter() - t) * 1000)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn(*args)
+            samples[name].append((time.perf_counter() - t) * 1000)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def main() -> None:
@@ -55,9 +59,9 @@ def main() -> None:
         name = sess.get_inputs()[0].name
         x = case.example_inputs(1)
         with torch.no_grad():
-            eager_ms = latency_ms(eager, x)
-            fused_ms = latency_ms(fused, x)
-        ort_ms = latency_ms(lambda a: sess.run(None, {name: a.numpy()}), x)
+            ms = latency_ms({"eager": eager, "fused": fused, "ort": lambda a: sess.run(None, {name: a.numpy()})}, x)
+        eager_ms, fused_ms, ort_ms = ms["eager"], ms["fused"], ms["ort"]
+        load = os.getloadavg()[0]
 
     stages = manifest["timings_s"]
     fuse = next(p for p in manifest["passes"] if p["name"] == "fuse_conv_bn")
@@ -73,7 +77,9 @@ def main() -> None:
         "",
         f"`fuse_conv_bn`: {fuse['notes']}",
         "",
-        "Inference latency at batch 1, median of 30 runs, measured in the same process one after another:",
+        f"Inference latency at batch 1, median of 30 round-robin runs in one process, "
+        f"{torch.get_num_threads()} torch threads, 1-minute load average {load:.2f} at the end "
+        "(on this 2-core machine, other work on the second core slows 2-thread torch several-fold):",
         "",
         "| runtime | ms | ratio to eager |", "|---|---|---|",
         f"| eager (original) | {eager_ms:.1f} | 1.00 |",

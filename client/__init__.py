@@ -1,1 +1,443 @@
-"""Thin client library and the `fxport` CLI. Never imports torch, celery or onnx."""
+"""Thin client library and the `fxport` CLI. Never imports torch, celery, onnx, boto3 or redis.
+
+    from fxport.client import Client
+    with Client("127.0.0.1:50051") as c:
+        job = c.submit("model.pt2", {"targets": ["onnx"]})
+        job.wait(timeout=600, on_event=print)
+        job.download("artifacts/")          # every file's sha256 checked
+
+Uploads stream in 1 MiB chunks; a model the server already holds (same sha256) is not sent
+again. `Job.wait` follows WatchJob and, when the connection drops, resumes from the last
+event it saw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Iterator, Mapping
+
+import grpc
+
+from fxport.client.errors import (
+    AuthFailed, IntegrityError, JobNotFound, RequestRefused, ServerUnreachable, TooLarge, WaitTimeout,
+    from_rpc_error,
+)
+from fxport.errors import FxportError, InvalidInput
+from fxport.v1 import conversion_pb2 as pb
+from fxport.v1 import conversion_pb2_grpc as pb_grpc
+
+__all__ = [
+    "Client", "Job", "JobEvent", "JobPage", "FxportError", "ServerUnreachable", "AuthFailed", "JobNotFound",
+    "TooLarge", "RequestRefused", "WaitTimeout", "IntegrityError", "DEFAULT_SERVER",
+]
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+CHUNK = 1 << 20
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+_MAX_MESSAGE = 8 << 20
+
+
+def _state_name(value: int) -> str:
+    return pb.JobState.Name(value).removeprefix("JOB_STATE_")
+
+
+def _ts(msg: Any, field_name: str) -> float | None:
+    if not msg.HasField(field_name):
+        return None
+    return getattr(msg, field_name).ToNanoseconds() / 1e9
+
+
+def _file_digest(path: Path) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def _spec_text(spec: Any) -> str:
+    if spec is None:
+        return ""
+    if isinstance(spec, Path):
+        return spec.read_text()
+    if isinstance(spec, str):
+        return spec
+    if hasattr(spec, "model_dump"):  # a JobSpec
+        return json.dumps(spec.model_dump(mode="json"))
+    if isinstance(spec, Mapping):
+        return json.dumps(dict(spec))
+    raise TypeError(f"spec must be a mapping, a JobSpec, YAML/JSON text or a Path, not {type(spec).__name__}")
+
+
+def _safe_relative(name: str) -> PurePosixPath:
+    """An artifact name from the server, as a path that cannot leave the destination folder."""
+    p = PurePosixPath(name)
+    if not name or p.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")) or "\\" in name:
+        raise IntegrityError(f"server sent an unsafe artifact name {name!r}")
+    return p
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    seq: int
+    job_id: str
+    state: str
+    stage: str
+    progress: float
+    message: str
+    time: float | None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @classmethod
+    def from_pb(cls, ev: pb.JobEvent) -> "JobEvent":
+        return cls(seq=ev.seq, job_id=ev.job_id, state=_state_name(ev.state), stage=ev.stage,
+                   progress=ev.progress, message=ev.message, time=_ts(ev, "time"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "job_id": self.job_id, "state": self.state, "stage": self.stage,
+                "progress": self.progress, "message": self.message, "time": self.time}
+
+
+class Job:
+    """A job on the server. Attributes reflect the last fetch; `refresh()` re-reads."""
+
+    def __init__(self, client: "Client", message: pb.Job) -> None:
+        self._client = client
+        self._msg = message
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, state={self.state!r}, stage={self.stage!r})"
+
+    # -- fields ----------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self._msg.id
+
+    @property
+    def state(self) -> str:
+        return _state_name(self._msg.state)
+
+    @property
+    def stage(self) -> str:
+        return self._msg.stage
+
+    @property
+    def progress(self) -> float:
+        return self._msg.progress
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state == "SUCCEEDED"
+
+    @property
+    def error(self) -> dict[str, str] | None:
+        if not self._msg.HasField("error"):
+            return None
+        e = self._msg.error
+        return {"stage": e.stage, "code": e.code, "message": e.message, "detail": e.detail}
+
+    @property
+    def artifacts(self) -> list[dict[str, Any]]:
+        return [{"name": a.name, "format": a.format, "key": a.key, "bytes": a.bytes, "sha256": a.sha256}
+                for a in self._msg.artifacts]
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return json.loads(self._msg.spec_json or "{}")
+
+    @property
+    def message(self) -> pb.Job:
+        """The raw fxport.v1.Job protobuf message."""
+        return self._msg
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self._msg
+        out: dict[str, Any] = {
+            "id": m.id, "tenant": m.tenant, "state": self.state, "stage": m.stage, "progress": m.progress,
+            "message": m.message, "error": self.error, "artifacts": self.artifacts, "labels": dict(m.labels),
+            "model": {"sha256": m.model.sha256, "bytes": m.model.bytes, "filename": m.model.filename},
+            "calibration": ({"sha256": m.calibration.sha256, "bytes": m.calibration.bytes,
+                             "filename": m.calibration.filename} if m.HasField("calibration") else None),
+            "spec": self.spec, "spec_digest": m.spec_digest, "cache_hit": m.cache_hit, "worker": m.worker,
+            "attempts": m.attempts, "idempotency_key": m.idempotency_key or None, "last_seq": m.last_seq,
+            "stage_timings": [{"stage": t.stage, "started_at": _ts(t, "started_at"),
+                               "finished_at": _ts(t, "finished_at")} for t in m.stage_timings],
+        }
+        for f in ("created_at", "updated_at", "started_at", "finished_at"):
+            out[f] = _ts(m, f)
+        return out
+
+    # -- calls -----------------------------------------------------------------------------
+    def refresh(self) -> "Job":
+        self._msg = self._client._call(self._client._stub.GetJob, pb.GetJobRequest(job_id=self.id))
+        return self
+
+    def cancel(self) -> "Job":
+        self._msg = self._client._call(self._client._stub.CancelJob, pb.CancelJobRequest(job_id=self.id))
+        return self
+
+    def events(self, after_seq: int = 0, timeout: float | None = None) -> Iterator[JobEvent]:
+        """Events until the job ends, reconnecting (from the last seq) when the stream drops."""
+        c = self._client
+        deadline = None if timeout is None else time.monotonic() + timeout
+        after, backoff, down_since = after_seq, 0.2, None
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise WaitTimeout(f"job {self.id} did not finish within {timeout:g} s (last state {self.state})")
+            try:
+                stream = c._stub.WatchJob(pb.WatchJobRequest(job_id=self.id, after_seq=after),
+                                          timeout=remaining, metadata=c._metadata)
+                for ev in stream:
+                    down_since, backoff = None, 0.2
+                    after = ev.seq
+                    if ev.HasField("job"):
+                        self._msg = ev.job
+                    event = JobEvent.from_pb(ev)
+                    yield event
+                    if event.terminal:
+                        if not ev.HasField("job"):
+                            self.refresh()
+                        return
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise WaitTimeout(f"job {self.id} did not finish within {timeout:g} s "
+                                      f"(last state {self.state})") from None
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                                grpc.StatusCode.UNKNOWN):
+                    raise from_rpc_error(err, c.target) from None
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > c.reconnect_s:
+                    raise from_rpc_error(err, c.target) from None
+            # The stream ended without a terminal event (server restart) or dropped: resume.
+            pause = backoff if remaining is None else min(backoff, max(0.0, deadline - time.monotonic()))
+            time.sleep(pause)
+            backoff = min(backoff * 2, 5.0)
+
+    def wait(self, timeout: float | None = None, on_event: Callable[[JobEvent], Any] | None = None) -> "Job":
+        """Block until the job is SUCCEEDED, FAILED or CANCELLED; WaitTimeout after `timeout` s."""
+        for event in self.events(timeout=timeout):
+            if on_event is not None:
+                on_event(event)
+        return self
+
+    def download(self, dest: str | os.PathLike[str], names: list[str] | None = None) -> list[Path]:
+        """Fetch artifacts into `dest` (their names are relative paths), checking each sha256
+        against both the stream header and the job record. Returns the written paths."""
+        dest_dir = Path(dest)
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        wanted = [a for a in self.artifacts if names is None or a["name"] in names]
+        if names is not None and len(wanted) != len(set(names)):
+            missing = set(names) - {a["name"] for a in wanted}
+            raise JobNotFound(f"job {self.id} has no artifact(s) {sorted(missing)}")
+        written = []
+        for art in wanted:
+            target = dest_dir.joinpath(*_safe_relative(art["name"]).parts)
+            for attempt in range(3):
+                try:
+                    self._client._download_one(self.id, art, target)
+                    break
+                except ServerUnreachable:
+                    if attempt == 2:
+                        raise
+                    time.sleep(0.5 * (attempt + 1))
+            written.append(target)
+        return written
+
+
+@dataclass
+class JobPage:
+    jobs: list[Job] = field(default_factory=list)
+    next_page_token: str = ""
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self.jobs)
+
+
+class Client:
+    """A connection to an fxport server.
+
+    `tls`: None/False = plaintext (loopback, or behind a TLS-terminating proxy); True = TLS
+    with the system roots; a path = TLS trusting that PEM CA bundle; or grpc.ChannelCredentials.
+    `token` is sent as `authorization: Bearer <token>` on every call.
+    """
+
+    def __init__(self, target: str = DEFAULT_SERVER, token: str | None = None, tls: Any = None, *,
+                 timeout: float = 30.0, reconnect_s: float = 60.0, chunk_size: int = CHUNK) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.reconnect_s = reconnect_s
+        self.chunk_size = chunk_size
+        options = [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)]
+        if tls:
+            if isinstance(tls, grpc.ChannelCredentials):
+                creds = tls
+            elif tls is True:
+                creds = grpc.ssl_channel_credentials()
+            else:
+                creds = grpc.ssl_channel_credentials(root_certificates=Path(tls).read_bytes())
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.ConversionServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until the channel connects; ServerUnreachable otherwise."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise ServerUnreachable(f"fxport server {self.target} unreachable after {timeout:g} s") from None
+
+    # -- jobs ------------------------------------------------------------------------------
+    def submit(
+        self,
+        model_path: str | os.PathLike[str],
+        spec: Any = None,
+        calibration: str | os.PathLike[str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> Job:
+        """Upload a model (+ optional calibration data) with a spec; returns the QUEUED job.
+
+        `spec`: a mapping, a JobSpec, YAML/JSON text, or a Path to a spec file. A model the
+        server already holds is not uploaded again (CheckUpload)."""
+        model = Path(model_path)
+        if not model.is_file():
+            raise InvalidInput(f"model file {str(model)!r} not found", field="model")
+        calib = Path(calibration) if calibration is not None else None
+        if calib is not None and not calib.is_file():
+            raise InvalidInput(f"calibration file {str(calib)!r} not found", field="calibration")
+        text = _spec_text(spec)
+        model_sha, model_size = _file_digest(model)
+        calib_sha, calib_size = _file_digest(calib) if calib else ("", 0)
+        check = self._call(self._stub.CheckUpload,
+                           pb.CheckUploadRequest(model_sha256=model_sha, calibration_sha256=calib_sha))
+        if check.max_upload_bytes and max(model_size, calib_size) > check.max_upload_bytes:
+            big = "model" if model_size >= calib_size else "calibration"
+            raise TooLarge(f"{big} is {max(model_size, calib_size)} bytes; the server accepts at most "
+                           f"{check.max_upload_bytes} bytes")
+        header = pb.SubmitHeader(
+            spec=text, idempotency_key=idempotency_key or "",
+            model=pb.FileHeader(filename=model.name, size=model_size, sha256=model_sha, stored=check.model_present),
+        )
+        if calib is not None:
+            header.calibration.CopyFrom(pb.FileHeader(filename=calib.name, size=calib_size, sha256=calib_sha,
+                                                      stored=check.calibration_present))
+        changed: list[str] = []
+
+        def chunks(path: Path, expected: str, kind: str) -> Iterator[pb.SubmitJobRequest]:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while data := f.read(self.chunk_size):
+                    h.update(data)
+                    yield pb.SubmitJobRequest(**{kind: data})
+            if h.hexdigest() != expected:  # the server refuses it too; say why here
+                changed.append(str(path))
+
+        def requests() -> Iterator[pb.SubmitJobRequest]:
+            yield pb.SubmitJobRequest(header=header)
+            if not check.model_present:
+                yield from chunks(model, model_sha, "model_chunk")
+            if calib is not None and not check.calibration_present:
+                yield from chunks(calib, calib_sha, "calibration_chunk")
+
+        try:
+            msg = self._stub.SubmitJob(requests(), metadata=self._metadata)
+        except grpc.RpcError as err:
+            if changed:
+                raise InvalidInput(f"{changed[0]} changed while it was being uploaded; submit again") from None
+            raise from_rpc_error(err, self.target) from None
+        return Job(self, msg)
+
+    def get(self, job_id: str) -> Job:
+        return Job(self, self._call(self._stub.GetJob, pb.GetJobRequest(job_id=job_id)))
+
+    def job(self, job_id: str) -> Job:
+        """Alias of get()."""
+        return self.get(job_id)
+
+    def cancel(self, job_id: str) -> Job:
+        return Job(self, self._call(self._stub.CancelJob, pb.CancelJobRequest(job_id=job_id)))
+
+    def list(self, *, states: list[str] | None = None, labels: Mapping[str, str] | None = None,
+             page_size: int = 50, page_token: str = "") -> JobPage:
+        """One page, newest first. `states` like ["RUNNING", "QUEUED"]; labels must all match."""
+        try:
+            enum_states = [pb.JobState.Value("JOB_STATE_" + s.upper().removeprefix("JOB_STATE_")) for s in states or ()]
+        except ValueError:
+            raise InvalidInput(f"unknown state in {states}; valid: {', '.join(TERMINAL + ('QUEUED', 'RUNNING'))}") from None
+        resp = self._call(self._stub.ListJobs, pb.ListJobsRequest(
+            page_size=page_size, page_token=page_token, states=enum_states, labels=dict(labels or {})))
+        return JobPage([Job(self, m) for m in resp.jobs], resp.next_page_token)
+
+    def iter_jobs(self, **filters: Any) -> Iterator[Job]:
+        """Every job matching the filters, across pages."""
+        token = ""
+        while True:
+            page = self.list(page_token=token, **filters)
+            yield from page.jobs
+            token = page.next_page_token
+            if not token:
+                return
+
+    def artifact_url(self, job_id: str, name: str, expires_s: int = 900) -> str:
+        resp = self._call(self._stub.GetArtifactUrl,
+                          pb.GetArtifactUrlRequest(job_id=job_id, name=name, expires_s=expires_s))
+        return resp.url
+
+    def _download_one(self, job_id: str, art: dict[str, Any], target: Path) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        part = target.with_name(target.name + ".part")
+        h, n, header = hashlib.sha256(), 0, None
+        try:
+            with open(part, "wb") as f:
+                stream = self._stub.DownloadArtifact(pb.DownloadArtifactRequest(job_id=job_id, name=art["name"]),
+                                                     metadata=self._metadata)
+                for msg in stream:
+                    if msg.WhichOneof("payload") == "header":
+                        header = msg.header
+                        continue
+                    h.update(msg.chunk)
+                    n += len(msg.chunk)
+                    f.write(msg.chunk)
+            digest = h.hexdigest()
+            expected = {art["sha256"], header.sha256 if header else art["sha256"]}
+            if len(expected) != 1 or digest not in expected or n != art["bytes"]:
+                raise IntegrityError(
+                    f"{art['name']}: downloaded {n} bytes with sha256 {digest}, expected {art['bytes']} bytes "
+                    f"with sha256 {art['sha256']}"
+                )
+            os.replace(part, target)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+        finally:
+            part.unlink(missing_ok=True)

@@ -48,7 +48,7 @@ class StageProgress:
         stage, frac, msg = event.get("stage", "?"), float(event.get("progress", 0)), event.get("message", "")
         if self.progress is None:
             if frac == 0.0 or msg not in ("", "done"):
-                self.console.print(f"[{stage}] {msg or 'started'}", highlight=False)
+                self.console.print(f"[{stage}] {msg or 'started'}", highlight=False, markup=False)
             return
         if stage not in self.tasks:
             self.tasks[stage] = self.progress.add_task(stage, total=1.0, msg="")

@@ -51,8 +51,53 @@ def render_manifest(manifest: dict[str, Any], console: Console) -> None:
         table.add_row(fmt, art["path"], _size(art["bytes"]), art["sha256"][:12] + ("…" if art["files"] == 1 else f" (+{art['files'] - 1})"),
                       *cols, parity)
     console.print(table)
+    render_quantization(manifest.get("quantization") or {}, console)
     timings = manifest.get("timings_s") or {}
     if timings:
         console.print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     for w in manifest.get("warnings", []):
         console.print(f"[yellow]warning:[/] {w}")
+
+
+QUANT_ROWS = 10  # worst layers shown on the terminal; manifest.json has them all
+
+
+def render_quantization(quant: dict[str, Any], console: Console) -> None:
+    """int8: calibration, end-to-end fidelity, the worst layers, the fallback. fp16: what stayed fp32."""
+    if not quant:
+        return
+    if quant.get("precision") == "fp16":
+        kept = sorted({k.get("op", "") for k in quant.get("kept_fp32", [])})
+        console.print(f"[bold]fp16[/]: {len(quant.get('kept_fp32', []))} ops kept in fp32"
+                      + (f" ({', '.join(kept)})" if kept else ""))
+        return
+    cal = quant.get("calibration") or {}
+    e2e = quant.get("end_to_end") or {}
+    source = "[yellow]random samples[/]" if cal.get("source") == "random" else "file"
+    line = (f"[bold]int8[/] ({quant.get('observer')} observer; calibration: {source}, {cal.get('samples')} samples, "
+            f"{cal.get('held_out')} held out) — end-to-end cosine {_num(e2e.get('cosine'), '{:.5f}')}, "
+            f"top-1 agreement {_num(e2e.get('top1_agreement'), '{:.3f}')}")
+    if quant.get("target_cosine") is not None:
+        met = e2e.get("target_met")
+        line += f", target {quant['target_cosine']} " + ("[green]met[/]" if met else "[red]missed[/]")
+    console.print(line)
+    layers = sorted(quant.get("layers", []), key=lambda r: r.get("sqnr_db", 0.0))
+    if layers:
+        table = Table(title=f"per-layer error on held-out data (worst {min(len(layers), QUANT_ROWS)} of {len(layers)})")
+        for col in ("layer", "SQNR dB", "cosine", "kept as"):
+            table.add_column(col)
+        for row in layers[:QUANT_ROWS]:
+            table.add_row(str(row.get("node")), _num(row.get("sqnr_db"), "{:.2f}"), _num(row.get("cosine"), "{:.5f}"),
+                          "[red]fp32[/]" if row.get("fallback") else "int8")
+        console.print(table)
+    fallback = quant.get("fallback_layers") or []
+    if fallback:
+        latency = (quant.get("fallback") or {}).get("latency") or {}
+        cost = (f" — onnxruntime {latency['ms_all_int8']:.2f} → {latency['ms_with_fallback']:.2f} ms"
+                if latency.get("ms_all_int8") is not None else
+                f" — {100 * (quant.get('fallback') or {}).get('fp32_macs_share', 0):.1f}% of the multiply-adds in fp32")
+        console.print(f"kept in fp32 to reach the target: {', '.join(fallback)}{cost}")
+
+
+def _num(value: Any, fmt: str) -> str:
+    return fmt.format(value) if isinstance(value, (int, float)) else "–"

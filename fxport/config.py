@@ -30,10 +30,41 @@ class Settings(BaseSettings):
     job_hard_time_limit_s: int = Field(2100, description="Hard per-job limit: the worker process is killed.")
     metrics_port: int | None = Field(None, description="Serve Prometheus metrics on this port (unset = off).")
     spool_dir: Path | None = Field(None, description="Where uploads are spooled before storage (default: system temp).")
+    jobs_url: str | None = Field(
+        None,
+        description="Job store: redis://… or sqlite:///path. Unset = the broker URL when it is Redis, "
+        "else SQLite under $FXPORT_HOME.",
+    )
+    grpc_max_workers: int = Field(64, ge=4, description="Threads serving RPCs (each open WatchJob holds one).")
+    log_level: str = Field("INFO", description="Log level of the server and workers.")
+    log_format: str = Field("json", description="json (one object per line, with job_id) or text.")
+    work_dir: Path | None = Field(None, description="Scratch space for worker jobs (default: system temp).")
+    worker_id: str | None = Field(None, description="Name recorded on jobs this worker runs (default: host:pid).")
+    # Security (DESIGN.md §6, deploy/README.md "Security model").
+    tokens_file: Path | None = Field(
+        None, description="Bearer tokens, hashed: one `tenant: sha256-hex` line each (`fxport tokens new`). "
+        "Set = every call but health/reflection needs a token or a client certificate.")
+    tls_cert_file: Path | None = Field(None, description="Server TLS certificate chain (PEM); with tls_key_file.")
+    tls_key_file: Path | None = Field(None, description="Server TLS private key (PEM).")
+    tls_client_ca_file: Path | None = Field(
+        None, description="CA bundle for client certificates (mTLS): required of every client; tenant = the CN.")
+    insecure_no_auth: bool = Field(
+        False, description="Allow serving a non-loopback address with no tokens and no mTLS (a proxy in front "
+        "authenticates). Without it the server refuses to start.")
+    max_jobs_in_flight: int = Field(100, ge=1, description="Jobs one tenant may have QUEUED or RUNNING at once.")
+    max_job_memory_mb: int = Field(16384, ge=256, description="Ceiling on a job's spec.limits.memory_mb (sandbox address space).")
+    max_job_timeout_s: int = Field(1800, ge=10, description="Ceiling on a job's spec.limits.timeout_s (sandbox wall clock).")
 
     @property
     def embedded(self) -> bool:
         return self.broker_url is None
+
+    def job_store_url(self) -> str | None:
+        if self.jobs_url:
+            return self.jobs_url
+        if self.broker_url and self.broker_url.startswith(("redis://", "rediss://")):
+            return self.broker_url
+        return None
 
     def store_url(self) -> str:
         return self.store or f"file://{(self.home / 'store').resolve()}"

@@ -144,28 +144,38 @@ class _CancelWatch:
 
 
 def kill_sandboxes_of(job_id: str) -> int:
-    """Kill the sandbox process group(s) this process started for `job_id`.
+    """Kill the sandbox process group(s) running `job_id` below this process.
 
-    The engine contract has no cancel hook yet, so the job is found by its sandbox request
-    file (the sandbox child's last argument) among this process's children.
+    The engine contract has no cancel hook, so the sandbox is found by what every launch
+    mode shares: it runs with its private work folder as cwd, and that folder's
+    request.json names the job. Searched among all descendants, since a warm sandbox is a
+    child of the zygote, not of this process.
     """
-    me, killed = os.getpid(), 0
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not entry.name.isdigit():
-            continue
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return 0
+    children: dict[int, list[int]] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    todo, descendants = [os.getpid()], []
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            descendants.append(child)
+            todo.append(child)
+    killed = 0
+    for pid in descendants:
         try:
-            stat = (entry / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != me:
-                continue
-            argv = [a.decode() for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
-            if not any("sandbox_child" in a for a in argv):
-                continue
-            request = json.loads(Path(argv[-1]).read_text())
+            request = json.loads((Path(os.readlink(f"/proc/{pid}/cwd")) / "request.json").read_text())
             if request.get("job_id") != job_id:
                 continue
-            os.killpg(int(entry.name), signal.SIGKILL)
+            os.killpg(os.getpgid(pid), signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
             killed += 1
-        except (OSError, ValueError, IndexError, KeyError):
+        except (OSError, ValueError, AttributeError):
             continue
     return killed
 

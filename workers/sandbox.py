@@ -218,6 +218,25 @@ def _launch(request_path: Path, env: dict[str, str], log_path: Path) -> _ColdLau
     return _ColdLaunch(request_path, env, log_path)
 
 
+class _Cancelled(Exception):
+    pass
+
+
+def _wait_or_cancel(launch: _ColdLaunch | _WarmLaunch, timeout: float, cancel: threading.Event | None) -> int:
+    """Wait for the child; raise TimeoutError past `timeout`, _Cancelled once `cancel` is set."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        try:
+            return launch.wait(min(left, 0.2) if cancel is not None else left)
+        except TimeoutError:
+            continue
+
+
 def run_engine_job(
     model_path: Path,
     spec: JobSpec,
@@ -228,8 +247,11 @@ def run_engine_job(
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     timeout_s: float | None = None,
     isolate_network: bool = True,
+    cancel_event: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Run `engine.convert` in a sandboxed child. Returns the manifest; raises FxportError."""
+    """Run `engine.convert` in a sandboxed child. Returns the manifest; raises FxportError.
+
+    Setting `cancel_event` kills the child at once and raises JobCancelled."""
     out_dir.mkdir(parents=True, exist_ok=True)
     hide_parent_environment()
     timeout = float(timeout_s or spec.limits.timeout_s)
@@ -280,7 +302,10 @@ def run_engine_job(
         started = time.monotonic()
         launch = _launch(work / "request.json", _scrubbed_env(work), log_path)
         try:
-            rc = launch.wait(timeout)
+            rc = _wait_or_cancel(launch, timeout, cancel_event)
+        except _Cancelled:
+            launch.kill()
+            raise errors.JobCancelled(f"cancelled during {last_stage['stage']}", stage=last_stage["stage"]) from None
         except TimeoutError:
             launch.kill()
             raise errors.ResourceLimitExceeded(

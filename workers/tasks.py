@@ -62,3 +62,34 @@ def build_tensorrt(self: Any, job_id: str) -> None:
         execute_stage("tensorrt", job_id, context(), final_attempt=self.request.retries >= MAX_RETRIES)
     except RetryLater as exc:
         raise self.retry(exc=exc, countdown=min(60, 2 ** (self.request.retries + 1)))
+
+
+@signals.task_failure.connect
+def _record_task_failure(sender: Any = None, exception: BaseException | None = None, args: Any = None,
+                         **_: Any) -> None:
+    """A task that died without recording its job (hard time limit: the pool child is
+    killed; or a bug in the job function) must not leave the job RUNNING forever. Runs in
+    the process that saw the failure (the worker's main process for a hard time limit)."""
+    if sender is None or getattr(sender, "name", None) not in (RUN_JOB, BUILD_TENSORRT) or not args:
+        return
+    from celery.exceptions import TimeLimitExceeded
+
+    from fxport.jobs import JobErrorInfo, JobState
+
+    job_id = args[0]
+    try:
+        jobs = context().jobs
+        rec = jobs.get(job_id)
+        if rec is None or rec.terminal:
+            return
+        if isinstance(exception, TimeLimitExceeded):
+            limit = context().settings.job_hard_time_limit_s
+            error = JobErrorInfo(stage=rec.stage, code="timeout",
+                                 message=f"the job ran past the worker's hard time limit ({limit} s) during "
+                                         f"{rec.stage}; its worker process was killed")
+        else:
+            error = JobErrorInfo(stage=rec.stage, code="internal",
+                                 message=f"the worker task failed: {type(exception).__name__}: {exception}")
+        jobs.transition(job_id, state=JobState.FAILED, error=error, message=error.message)
+    except Exception:
+        log.exception("could not record the failure of job %s", job_id)

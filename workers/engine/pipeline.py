@@ -1,4 +1,4 @@
-"""The conversion engine end to end: load → capture → passes → export → verify → manifest.
+"""The conversion engine end to end: load → capture → passes → quantize → export → verify → manifest.
 
 `convert` is the one entry point. Workers call it inside the sandbox; `fxport convert` calls
 it in-process. It always leaves manifest.json in `out_dir`, also when a stage fails.
@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -35,6 +37,8 @@ ARTIFACT_PATHS = {
     "fx_source": "fx_source",
 }
 TORCH_TARGETS = ("torchscript", "exported_program", "fx_source")
+# an int8 .pt2 / FX source calls torch.ops.quantized_decomposed.*, defined by this import
+_QDQ_IMPORT = "import torch.ao.quantization.fx._decomposed  # defines torch.ops.quantized_decomposed (the Q/DQ ops)"
 
 
 def toolchain() -> dict[str, str | None]:
@@ -108,7 +112,7 @@ def convert(
     }
     run = _Run(manifest, on_progress)
     try:
-        _convert(run, model_path, spec, out_dir)
+        _convert(run, model_path, spec, out_dir, calibration_path)
         manifest["status"] = "succeeded"
     except FxportError as exc:
         manifest["status"] = "failed"
@@ -136,7 +140,7 @@ def _write_report(manifest_path: Path, manifest: dict[str, Any]) -> None:
         manifest_path.write_text(json.dumps(manifest, indent=2, default=str))
 
 
-def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path) -> None:
+def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibration_path: Path | None = None) -> None:
     manifest = run.manifest
     torch.manual_seed(spec.verify.seed)
     with run.stage("load"):
@@ -151,6 +155,11 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path) -> None:
             }
             manifest["warnings"].extend(sig.notes)
     if loaded.format == "onnx":
+        if spec.precision != "fp32":
+            raise InvalidInput(
+                f"precision {spec.precision} needs the PyTorch model: an ONNX upload is copied as it is",
+                stage="load", field="precision", hint="upload the .pt2 (or torch.package) to quantize it",
+            )
         _convert_onnx_input(run, loaded, spec, out_dir)
         return
     assert sig is not None
@@ -170,11 +179,12 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path) -> None:
         if "profile" in ctx.report:
             manifest["profile"] = ctx.report["profile"]
 
+    reduced: _Reduced | None = None
     if spec.precision != "fp32":
-        raise InvalidInput(
-            f"precision {spec.precision!r} is not available yet in this build",
-            stage="quantize", field="precision", hint="use precision: fp32",
-        )
+        with run.stage("quantize", spec.precision):
+            reduced = _reduce_precision(run, gm, sig, spec, example, calibration_path)
+    elif calibration_path is not None:
+        manifest["warnings"].append("calibration data was given but precision is fp32: it was not used")
 
     written: dict[str, Path] = {}
     with run.stage("export"):
@@ -182,38 +192,169 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path) -> None:
         extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
         for i, target in enumerate(targets):
             run.emit("export", i / max(len(targets), 1), target)
-            written[target], note = _export_one(target, gm, example, sig, spec, out_dir,
-                                                original=loaded.module, extremes=extremes)
-            if note:
+            written[target], note = _export_one(target, reduced.graph_module if reduced else gm, example, sig, spec,
+                                                out_dir, original=loaded.module, extremes=extremes,
+                                                precision=spec.precision)
+            if note and reduced is None:
                 manifest["warnings"].append(f"{target}: {note}")
+            elif note:  # how a reduced-precision artifact was built (int8 kernels or fake-quant, ...)
+                manifest["quantization"].setdefault("artifact_notes", {})[target] = note
         for target, path in written.items():
             manifest["artifacts"].extend(_artifact_records(target, path, out_dir))
+        if reduced is not None and reduced.int8 is not None and "onnx" in written:
+            run.emit("export", 0.95, "checking the int8 ONNX model")
+            _check_int8_onnx(run, reduced, written["onnx"], example, sig, spec)
 
     with run.stage("verify"):
-        points = _sample_points(sig, spec)
-        runners = _runners(written, sig)
+        from fxport.workers.engine.verify.precision import PrecisionComparison, tolerances_for
         from fxport.workers.engine.verify.runners import EagerRunner
 
+        tol = tolerances_for(spec)
+        comparison = PrecisionComparison(tol) if reduced is not None else None
+        points = _held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8 else _sample_points(sig, spec)
+        runners = _runners(written, sig)
         records = verify_artifacts(
-            EagerRunner(loaded.module), runners, points, spec.verify,
+            EagerRunner(loaded.module), runners, points, tol.options,
             on_runner=lambda name: run.emit("verify", 0.5, name),
+            compare=comparison, finish=comparison.finish if comparison else None,
         )
         manifest["verification"] = records
         failed = [r for r in records if not r["passed"]]
         if failed:
             table = "; ".join(
                 f"{r['format']}: " + (r.get("error") or
-                                      f"max_abs_diff={r['max_abs_diff']:.3g} cosine={r['cosine']:.6f}")
+                                      f"max_abs_diff={r['max_abs_diff']:.3g} cosine={r['cosine']:.6f}"
+                                      + (f" top1={r['top1_agreement']:.3f}" if "top1_agreement" in r else ""))
                 for r in failed
             )
             if spec.verify.fail_on_mismatch:
-                raise VerificationFailed(
-                    f"{len(failed)} artifact(s) do not match the original model (atol={spec.verify.atol}, "
-                    f"rtol={spec.verify.rtol}, min_cosine={spec.verify.min_cosine}): {table}",
-                    stage="verify",
-                    hint="inspect manifest.json 'verification'; loosen spec.verify only if the difference is expected",
-                )
+                detail = None
+                message = (f"{len(failed)} artifact(s) do not match the original model (atol={spec.verify.atol}, "
+                           f"rtol={spec.verify.rtol}, min_cosine={spec.verify.min_cosine}): {table}")
+                hint = "inspect manifest.json 'verification'; loosen spec.verify only if the difference is expected"
+                if reduced is not None:
+                    message = (f"{len(failed)} {spec.precision} artifact(s) miss their target ({tol.describe()}): "
+                               f"{table}")
+                    hint = "see manifest.json 'quantization'"
+                    if reduced.int8 is not None:
+                        from fxport.workers.engine.quantize.ptq import layer_table
+
+                        detail = layer_table(manifest["quantization"], limit=1000)
+                        message += "\nper-layer error (worst first, held-out data):\n" + layer_table(manifest["quantization"])
+                        hint = ("set quantization.target_cosine to keep the most damaged layers in fp32, give "
+                                "representative calibration data, or try another calibration observer")
+                raise VerificationFailed(message, stage="verify", hint=hint, detail=detail)
             manifest["warnings"].append(f"verification mismatches allowed by spec.verify.fail_on_mismatch=false: {table}")
+
+
+@dataclass
+class _Reduced:
+    """The quantize stage's output: the graph every artifact comes from, and what made it."""
+
+    graph_module: Any
+    int8: Any = None  # quantize.ptq.Int8Result
+    calibration: Any = None  # calibration.CalibrationData
+
+
+def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, example: tuple[Any, ...],
+                      calibration_path: Path | None) -> _Reduced:
+    """fp16: the half graph. int8: calibrate (file or random), Q/DQ graph, per-layer report, fallback."""
+    manifest = run.manifest
+    if spec.precision == "fp16":
+        from fxport.workers.engine.quantize.fp16 import to_half
+
+        if calibration_path is not None:
+            manifest["warnings"].append("calibration data was given but precision is fp16: it was not used")
+        half = to_half(gm, example)
+        manifest["quantization"] = {
+            "precision": "fp16", "method": "cast", "kept_fp32": half.kept_fp32, "casts": half.casts,
+            "interface": "inputs and outputs stay float32; the graph computes in float16 inside",
+            "layers": [],
+        }
+        return _Reduced(half.graph_module)
+
+    from fxport.workers.engine.calibration import load_calibration
+    from fxport.workers.engine.quantize.ptq import quantize_int8
+
+    run.emit("quantize", 0.0, "loading calibration data" if calibration_path else "drawing random calibration samples")
+    data = load_calibration(calibration_path, sig, spec.quantization.calibration, spec.verify.seed)
+    manifest["warnings"].extend(data.warnings)
+    result = quantize_int8(gm, data.calibration, data.held_out, spec.quantization,
+                           on_progress=lambda frac, msg: run.emit("quantize", frac, msg))
+    manifest["quantization"] = {**result.report, "calibration": data.info}
+    manifest["warnings"].extend(f"int8: {note}" for note in result.report.get("notes", []))
+    if result.report["fallback_layers"]:
+        manifest["warnings"].append(
+            f"int8: {len(result.report['fallback_layers'])} layer(s) kept in fp32 to reach quantization.target_cosine="
+            f"{spec.quantization.target_cosine}: {', '.join(result.report['fallback_layers'])}")
+    if result.report["end_to_end"]["target_met"] is False:
+        manifest["warnings"].append(
+            f"int8: end-to-end cosine {result.report['end_to_end']['cosine']:.5f} misses quantization.target_cosine="
+            f"{spec.quantization.target_cosine} even with every layer in fp32 but the activations' Q/DQ")
+    return _Reduced(result.graph_module, int8=result, calibration=data)
+
+
+def _check_int8_onnx(run: _Run, reduced: _Reduced, onnx_path: Path, example: tuple[Any, ...], sig: InputSignature,
+                     spec: JobSpec) -> None:
+    """Record which int8 kernels onnxruntime runs, TensorRT's Q/DQ rules, and the fallback's latency cost."""
+    from fxport.workers.engine.verify import onnx_quantization as oq
+
+    quant = run.manifest["quantization"]
+    kernels = oq.onnxruntime_kernels(onnx_path)
+    quant["onnx"] = {"onnxruntime": kernels, "tensorrt_explicit_quantization": oq.explicit_quantization_issues(onnx_path)}
+    if not kernels["int8_kernels"]:
+        run.manifest["warnings"].append("int8: onnxruntime fused no Q/DQ into int8 kernels; the ONNX model runs in float")
+    fallback = quant["fallback_layers"]
+    if not fallback:
+        return
+    from fxport.workers.engine.exporters.onnx import OnnxFromGraphModule
+
+    feed_args = reduced.calibration.held_out[0]
+    feed = {i.name: a.numpy() for i, a in zip(sig.inputs, feed_args)}
+    with tempfile.TemporaryDirectory(prefix="fxport-int8-") as tmp:
+        all_int8 = reduced.int8.convert_with({layer.name for layer in reduced.int8.layers})
+        other = OnnxFromGraphModule(all_int8.gm, example, input_names=[i.name for i in sig.inputs],
+                                    dynamic_shapes=sig.dynamic_shapes(), opset=spec.onnx.opset)(Path(tmp) / "all_int8.onnx")
+        with_fallback = oq.onnxruntime_latency_ms(onnx_path, feed)
+        without = oq.onnxruntime_latency_ms(other, feed)
+    quant["fallback"]["latency"] = {
+        "runtime": "onnxruntime (CPU)", "batch": [list(a.shape) for a in feed_args][0],
+        "ms_all_int8": round(without, 3), "ms_with_fallback": round(with_fallback, 3),
+        "cost_ms": round(with_fallback - without, 3), "ratio": round(with_fallback / without, 3) if without else None,
+    }
+
+
+def _held_out_points(sig: InputSignature, spec: JobSpec, reduced: _Reduced) -> list[SamplePoint]:
+    """int8 is judged on the held-out calibration samples (never on what it was calibrated with),
+    plus the spec's dynamic-shape extremes, cut from the held-out samples where only the batch varies."""
+    from fxport.workers.engine.calibration import batch_dim_name
+
+    held = reduced.calibration.held_out
+    points = [SamplePoint(_dims_of(sig, args), args) for args in held]
+    batch_dim = batch_dim_name(sig)
+    covered = [p.dims for p in points]
+    only_batch = batch_dim is not None and set(sig.dynamic_dims) == {batch_dim}
+    for i, dims in enumerate(sig.shape_points()):
+        if dims in covered:
+            continue
+        if only_batch and reduced.calibration.info.get("layout", "batch") == "batch":
+            pool = [torch.cat([args[k] for args in held], 0) for k in range(len(sig.inputs))]
+            n = dims[batch_dim]
+            reps = -(-n // pool[0].shape[0])
+            args = tuple(torch.cat([t] * reps, 0)[:n] for t in pool)
+        else:
+            args = sig.make_inputs(dims, seed=spec.verify.seed + 1000 + i)
+        points.append(SamplePoint(dims, args))
+    return points
+
+
+def _dims_of(sig: InputSignature, args: tuple[Any, ...]) -> dict[str, int]:
+    dims: dict[str, int] = {}
+    for inp, a in zip(sig.inputs, args):
+        for i, d in enumerate(inp.shape):
+            if isinstance(d, str) and i < a.dim():
+                dims.setdefault(d, int(a.shape[i]))
+    return dims
 
 
 def _check_targets(loaded: LoadedModel, spec: JobSpec) -> None:
@@ -232,15 +373,21 @@ def _check_targets(loaded: LoadedModel, spec: JobSpec) -> None:
 
 
 def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, out_dir: Path,
-                *, original: Any, extremes: list[tuple[Any, ...]]) -> tuple[Path, str]:
+                *, original: Any, extremes: list[tuple[Any, ...]], precision: str = "fp32") -> tuple[Path, str]:
     """Write one artifact. Returns its path and a note for the manifest ('' when none)."""
     path = out_dir / ARTIFACT_PATHS[target]
     try:
+        if target == "torchscript" and precision == "int8":
+            from fxport.workers.engine.exporters.torchscript_int8 import TorchScriptInt8FromQdqGraph
+
+            int8_exporter = TorchScriptInt8FromQdqGraph(gm, example, check_inputs=extremes)
+            return int8_exporter(path), int8_exporter.note
         if target == "torchscript":
             from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
 
-            exporter = TorchScriptFromGraphModule(gm, example, spec.torchscript.method,
-                                                  check_inputs=extremes, fallback=original)
+            # the original model is fp32: never a stand-in for an fp16 archive
+            exporter = TorchScriptFromGraphModule(gm, example, spec.torchscript.method, check_inputs=extremes,
+                                                  fallback=original if precision == "fp32" else None)
             return exporter(path), exporter.note
         if target == "exported_program":
             from fxport.workers.engine.exporters.exported_program import ExportedProgramFromGraphModule
@@ -251,7 +398,8 @@ def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignat
 
             if path.exists():
                 shutil.rmtree(path)
-            return FxSourceFromGraphModule(gm)(path), ""
+            imports = (_QDQ_IMPORT,) if precision == "int8" else ()
+            return FxSourceFromGraphModule(gm, imports=imports)(path), ""
         from fxport.workers.engine.exporters.onnx import OnnxFromGraphModule
 
         return OnnxFromGraphModule(

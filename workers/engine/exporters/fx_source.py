@@ -10,8 +10,10 @@ MODULE_CLASS = "FxportModule"
 
 
 class FxSourceFromGraphModule:
-    def __init__(self, gm: GraphModule) -> None:
-        self.gm = gm
+    """`imports`: extra import lines module.py needs (an int8 graph's Q/DQ op library)."""
+
+    def __init__(self, gm: GraphModule, imports: tuple[str, ...] = ()) -> None:
+        self.gm, self.imports = gm, imports
 
     def __call__(self, folder: Path) -> Path:
         # to_folder writes module.py (the code), __init__.py and the weights beside them.
@@ -21,4 +23,7 @@ class FxSourceFromGraphModule:
             node.type = None
         self.gm.recompile()
         self.gm.to_folder(str(folder), module_name=MODULE_CLASS)
+        if self.imports:
+            source = folder / "module.py"
+            source.write_text("\n".join(self.imports) + "\n" + source.read_text())
         return folder

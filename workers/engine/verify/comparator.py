@@ -51,8 +51,17 @@ def verify_artifacts(
     points: list[SamplePoint],
     opts: VerifyOptions,
     on_runner: Callable[[str], None] | None = None,
+    *,
+    compare: Callable[[list[np.ndarray], list[np.ndarray], VerifyOptions], dict[str, Any]] | None = None,
+    finish: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One record per runner: worst metrics across all sample points, and every shape checked."""
+    """One record per runner: worst metrics across all sample points, and every shape checked.
+
+    `compare` replaces `compare_outputs` (reduced-precision artifacts are judged differently);
+    counters it returns (`top1_same`, `top1_rows`) are summed over samples, and `finish`
+    sees each record last, to judge what only the totals show.
+    """
+    compare = compare or compare_outputs
     with reference:
         expected = [reference.infer(p.args) for p in points]
     records = []
@@ -67,7 +76,7 @@ def verify_artifacts(
             with runner:
                 for point, ref in zip(points, expected):
                     got = runner.infer(point.args)
-                    m = compare_outputs(ref, got, opts)
+                    m = compare(ref, got, opts)
                     shapes = [list(a.shape) for a in point.args]
                     shape = shapes[0] if len(shapes) == 1 else shapes
                     if shape not in record["shapes_checked"]:
@@ -79,7 +88,12 @@ def verify_artifacts(
                     record["max_rel_diff"] = max(record["max_rel_diff"], m["max_rel_diff"])
                     record["cosine"] = min(record["cosine"], m["cosine"])
                     record["passed"] = record["passed"] and m["passed"]
+                    for key in ("top1_same", "top1_rows"):
+                        if key in m:
+                            record[key] = record.get(key, 0) + m[key]
         except Exception as exc:
             record.update(passed=False, error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+        if finish:
+            finish(record)
         records.append(record)
     return records

@@ -79,6 +79,10 @@ class ExportedProgramRunner(Runner):
         self.path = path
 
     def activate(self) -> None:
+        # an int8 program holds torch.ops.quantized_decomposed Q/DQ ops, which exist only once
+        # their library is imported; loading fails without it
+        import torch.ao.quantization.fx._decomposed  # noqa: F401
+
         self.module = torch.export.load(str(self.path)).module()
 
     def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:

@@ -1,0 +1,430 @@
+"""The `fxport` command line: submit and follow jobs, run the server and workers.
+
+Exit codes (DESIGN.md §4): 0 ok; 1 the job failed; 2 bad usage or invalid input; 3 timed
+out waiting; 4 server unreachable or auth failed. With `--json` stdout carries exactly one
+JSON document; progress and messages go to stderr (a rich bar on a terminal, plain lines
+otherwise). Heavy imports (grpc server, Celery, the engine) happen inside the commands
+that need them, so `fxport submit` works from the base install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+
+from fxport.client import DEFAULT_SERVER, Client, Job, JobEvent
+from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, FxportError, InvalidInput
+from fxport.spec import load_spec_file, parse_spec, spec_from_flags
+
+app = typer.Typer(
+    name="fxport", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Turn PyTorch models into verified deployment artifacts (TorchScript, ONNX, .pt2, FX source, TensorRT).",
+)
+jobs_app = typer.Typer(no_args_is_help=True, help="Inspect, follow, cancel and download jobs.")
+app.add_typer(jobs_app, name="jobs")
+
+from fxport.client.convert_command import convert_command  # noqa: E402  (the engine's own command)
+
+app.command("convert")(convert_command)
+from fxport.client.report_command import report_command  # noqa: E402
+
+app.command("report")(report_command)
+from fxport.client.tokens_command import tokens_app  # noqa: E402
+
+app.add_typer(tokens_app, name="tokens")
+
+SERVER = typer.Option(DEFAULT_SERVER, "--server", envvar="FXPORT_SERVER", help="fxport server address host:port.")
+TOKEN = typer.Option(None, "--token", envvar="FXPORT_TOKEN", help="API token (sent as a Bearer token).")
+JSON_OUT = typer.Option(False, "--json", help="Print one JSON document on stdout and nothing else.")
+
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _emit_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _run(fn: Callable[[], int], as_json: bool) -> None:
+    """Run a command body; FxportError → message on stderr (+ JSON on stdout) and its exit code."""
+    try:
+        code = fn()
+    except FxportError as exc:
+        stage = f" during {exc.stage}" if exc.stage and exc.stage != "submit" else ""
+        _err.print(f"[red]error{stage}:[/] {exc}")
+        if as_json:
+            doc = {"error": exc.to_dict()}
+            if hasattr(exc, "violations"):
+                doc["error"]["violations"] = [{"field": f, "message": m} for f, m in exc.violations]
+            _emit_json(doc)
+        raise typer.Exit(exc.exit_code or EXIT_FAILED)
+    raise typer.Exit(code)
+
+
+class _Progress:
+    """Follow a job's events on stderr: a rich bar per stage on a terminal, plain lines otherwise."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+        self._tasks: dict[str, Any] = {}
+        self._last: tuple[str, str, str] | None = None
+        if _err.is_terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("{task.description:<9}"), BarColumn(), TextColumn("{task.fields[msg]}"),
+                                 TimeElapsedColumn(), console=_err)
+
+    def __enter__(self) -> "_Progress":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def __call__(self, ev: JobEvent) -> None:
+        if self._bar is not None and ev.state == "RUNNING" and ev.stage:
+            for stage, task in self._tasks.items():  # a new stage means the earlier ones are done
+                if stage != ev.stage:
+                    self._bar.update(task, completed=1.0)
+            if ev.stage not in self._tasks:
+                self._tasks[ev.stage] = self._bar.add_task(ev.stage, total=1.0, msg="")
+            self._bar.update(self._tasks[ev.stage], completed=ev.progress, msg=ev.message)
+            return
+        if self._bar is not None and ev.state != "RUNNING":
+            if ev.terminal and ev.state == "SUCCEEDED":
+                for task in self._tasks.values():
+                    self._bar.update(task, completed=1.0)
+            _err.print(f"{ev.state.lower()}: {ev.message}", markup=False)
+            return
+        # Plain lines (CI logs): one per stage start and per message worth reading.
+        stage = ev.stage or ev.state.lower()
+        key = (ev.state, stage, ev.message)
+        if key == self._last or (ev.message in ("", "done") and self._last and self._last[1] == stage):
+            return
+        self._last = key
+        _err.print(f"[{stage}] {ev.message or ev.state.lower()}", markup=False)
+
+
+def _job_summary(job: Job, out: Path | None, console: Console) -> None:
+    """The human result: the job line, its error, and the artifact/verification table."""
+    colour = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(job.state, "cyan")
+    during = f" (stage {job.stage})" if job.stage and job.state != "SUCCEEDED" else ""
+    console.print(f"job [bold]{job.id}[/]: [{colour}]{job.state}[/]{during}")
+    if job.error:
+        e = job.error
+        console.print(f"[red]error[/] during {e['stage'] or '?'} ({e['code']}): {e['message']}")
+    manifest_path = out / "manifest.json" if out else None
+    if manifest_path is not None and manifest_path.is_file():
+        from fxport.client.result_table import render_manifest
+
+        render_manifest(json.loads(manifest_path.read_text()), console)
+    elif job.artifacts:
+        from rich.table import Table
+
+        table = Table(title="artifacts")
+        for col in ("name", "format", "bytes", "sha256"):
+            table.add_column(col)
+        for a in job.artifacts:
+            table.add_row(a["name"], a["format"], str(a["bytes"]), a["sha256"][:12] + "…")
+        console.print(table)
+    if out is not None and job.artifacts:
+        console.print(f"artifacts in {out}/ (sha256 verified)")
+
+
+def _finish(job: Job, *, out: Optional[Path], as_json: bool) -> int:
+    paths: list[Path] = []
+    if out is not None and job.artifacts:
+        paths = job.download(out)
+    if as_json:
+        doc = job.to_dict()
+        if out is not None:
+            doc["downloaded"] = [str(p) for p in paths]
+        _emit_json(doc)
+    else:
+        _job_summary(job, out, Console())
+    return EXIT_OK if job.succeeded else EXIT_FAILED
+
+
+def _labels(values: Optional[list[str]]) -> dict[str, str]:
+    out = {}
+    for item in values or ():
+        if "=" not in item:
+            raise InvalidInput(f"--label {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# submit
+# ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def submit(
+    model: Path = typer.Argument(..., help="Model file: .pt2 (torch.export), torch.package, TorchScript, or ONNX."),
+    spec: Optional[Path] = typer.Option(None, "--spec", help="Job spec file (YAML or JSON)."),
+    target: Optional[list[str]] = typer.Option(None, "--target", "-t", help="Artifact to produce (repeatable)."),
+    input_: Optional[list[str]] = typer.Option(None, "--input", help="Input NAME:DIMS[:DTYPE], e.g. x:batch,3,224,224."),
+    dynamic_batch: Optional[str] = typer.Option(None, "--dynamic-batch", help="Range of the 'batch' dim, MIN:OPT:MAX."),
+    pass_: Optional[list[str]] = typer.Option(None, "--pass", help="Graph pass to run, in order (repeatable)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data file."),
+    label: Optional[list[str]] = typer.Option(None, "--label", help="KEY=VALUE label on the job (repeatable)."),
+    idempotency_key: Optional[str] = typer.Option(None, "--idempotency-key", help="Same key → same job (safe retries)."),
+    server: str = SERVER,
+    token: Optional[str] = TOKEN,
+    wait: bool = typer.Option(False, "--wait", help="Wait for the job to finish (implied by --out)."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds to wait before giving up (exit 3)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Download the artifacts here (sha256 checked)."),
+    as_json: bool = JSON_OUT,
+) -> None:
+    """Submit a model to an fxport server; with --wait/--out, follow it and fetch the artifacts."""
+
+    def body() -> int:
+        base = load_spec_file(spec) if spec else {}
+        data = spec_from_flags(base, targets=target, inputs=input_, dynamic_batch=dynamic_batch,
+                               passes=pass_, precision=precision)
+        if label:
+            data["labels"] = {**(data.get("labels") or {}), **_labels(label)}
+        parse_spec(data)  # fail fast, before any upload; the server validates again
+        if not model.is_file():
+            raise InvalidInput(f"model file {str(model)!r} not found", field="model")
+        with Client(server, token=token) as client:
+            job = client.submit(model, data, calibration=calibration, idempotency_key=idempotency_key)
+            _err.print(f"submitted job {job.id}")
+            if not (wait or out):
+                if as_json:
+                    _emit_json(job.to_dict())
+                else:
+                    print(job.id)
+                return EXIT_OK
+            with _Progress() as progress:
+                job.wait(timeout=timeout, on_event=progress)
+            return _finish(job, out=out, as_json=as_json)
+
+    _run(body, as_json)
+
+
+# ---------------------------------------------------------------------------------------
+# jobs
+# ---------------------------------------------------------------------------------------
+
+
+@jobs_app.command("list")
+def jobs_list(
+    state: Optional[list[str]] = typer.Option(None, "--state", help="QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED."),
+    label: Optional[list[str]] = typer.Option(None, "--label", help="KEY=VALUE; all must match."),
+    limit: int = typer.Option(50, "--limit", help="Page size."),
+    page_token: str = typer.Option("", "--page-token", help="next_page_token of the previous page."),
+    server: str = SERVER,
+    token: Optional[str] = TOKEN,
+    as_json: bool = JSON_OUT,
+) -> None:
+    """List jobs, newest first."""
+
+    def body() -> int:
+        with Client(server, token=token) as client:
+            page = client.list(states=state, labels=_labels(label), page_size=limit, page_token=page_token)
+        if as_json:
+            _emit_json({"jobs": [j.to_dict() for j in page.jobs], "next_page_token": page.next_page_token})
+            return EXIT_OK
+        from rich.table import Table
+
+        table = Table()
+        for col in ("id", "state", "stage", "created", "targets", "labels"):
+            table.add_column(col)
+        import time as _time
+
+        for j in page.jobs:
+            d = j.to_dict()
+            created = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(d["created_at"])) if d["created_at"] else ""
+            table.add_row(j.id, j.state, j.stage, created, ",".join(j.spec.get("targets", [])),
+                          ",".join(f"{k}={v}" for k, v in d["labels"].items()))
+        Console().print(table)
+        if page.next_page_token:
+            _err.print(f"more: --page-token {page.next_page_token}")
+        return EXIT_OK
+
+    _run(body, as_json)
+
+
+@jobs_app.command("get")
+def jobs_get(job_id: str, server: str = SERVER, token: Optional[str] = TOKEN, as_json: bool = JSON_OUT) -> None:
+    """Show one job."""
+
+    def body() -> int:
+        with Client(server, token=token) as client:
+            job = client.get(job_id)
+        if as_json:
+            _emit_json(job.to_dict())
+        else:
+            _job_summary(job, None, Console())
+        return EXIT_OK
+
+    _run(body, as_json)
+
+
+@jobs_app.command("watch")
+def jobs_watch(
+    job_id: str,
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds to wait (exit 3 after)."),
+    server: str = SERVER,
+    token: Optional[str] = TOKEN,
+    as_json: bool = JSON_OUT,
+) -> None:
+    """Follow a job until it ends; exit 0 if it succeeded, 1 if not."""
+
+    def body() -> int:
+        with Client(server, token=token) as client:
+            job = client.get(job_id)
+            with _Progress() as progress:
+                job.wait(timeout=timeout, on_event=progress)
+            return _finish(job, out=None, as_json=as_json)
+
+    _run(body, as_json)
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: str, server: str = SERVER, token: Optional[str] = TOKEN, as_json: bool = JSON_OUT) -> None:
+    """Cancel a queued or running job (a finished job is left as it is)."""
+
+    def body() -> int:
+        with Client(server, token=token) as client:
+            job = client.cancel(job_id)
+        if as_json:
+            _emit_json(job.to_dict())
+        else:
+            print(f"job {job.id}: {job.state}")
+        return EXIT_OK
+
+    _run(body, as_json)
+
+
+@jobs_app.command("download")
+def jobs_download(
+    job_id: str,
+    out: Path = typer.Option(Path("artifacts"), "--out", "-o", help="Destination folder."),
+    name: Optional[list[str]] = typer.Option(None, "--name", help="Only this artifact (repeatable)."),
+    server: str = SERVER,
+    token: Optional[str] = TOKEN,
+    as_json: bool = JSON_OUT,
+) -> None:
+    """Download a job's artifacts, checking every sha256."""
+
+    def body() -> int:
+        with Client(server, token=token) as client:
+            job = client.get(job_id)
+            paths = job.download(out, names=name)
+        if as_json:
+            _emit_json({"job_id": job.id, "downloaded": [str(p) for p in paths]})
+        else:
+            for p in paths:
+                print(p)
+        return EXIT_OK
+
+    _run(body, as_json)
+
+
+# ---------------------------------------------------------------------------------------
+# serve / worker
+# ---------------------------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    listen: Optional[str] = typer.Option(None, "--listen", help="host:port to serve on (default 127.0.0.1:50051; port 0 = any)."),
+    broker: Optional[str] = typer.Option(None, "--broker", help="Celery broker + job store, redis://… (unset = embedded)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Artifact store: s3://BUCKET[/prefix] or file:///dir."),
+    home: Optional[Path] = typer.Option(None, "--home", help="State folder of the embedded mode (default ./.fxport)."),
+    ready_file: Optional[Path] = typer.Option(None, "--ready-file", help="Write host:port here once serving."),
+    insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth",
+                                          help="Serve a non-loopback address with no tokens and no mTLS."),
+) -> None:
+    """Run the API server. No flags: embedded (in-process workers, files under ./.fxport)."""
+    from fxport.config import Settings
+    from fxport.logs import configure_logging
+
+    overrides: dict[str, Any] = {k: v for k, v in
+                                 {"listen": listen, "broker_url": broker, "store": store, "home": home,
+                                  "insecure_no_auth": insecure_no_auth or None}.items()
+                                 if v is not None}
+    try:
+        settings = Settings(**overrides)
+    except Exception as exc:
+        _err.print(f"[red]error:[/] invalid settings: {exc}")
+        raise typer.Exit(EXIT_USAGE)
+    configure_logging(settings.log_level, settings.log_format)
+    from fxport.service.server import create_server
+
+    try:
+        server, port = create_server(settings)
+    except (OSError, ValueError, FxportError) as exc:
+        _err.print(f"[red]error:[/] cannot start the server: {exc}")
+        raise typer.Exit(EXIT_USAGE)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    mode = "embedded" if settings.embedded else "distributed"
+    print(f"fxport serving on {server.address} ({mode}; store {settings.store_url()})", flush=True)
+    if ready_file is not None:
+        tmp = ready_file.with_name(ready_file.name + ".tmp")
+        tmp.write_text(server.address)
+        os.replace(tmp, ready_file)
+    stop.wait()
+    server.stop(grace=5)
+    raise typer.Exit(EXIT_OK)
+
+
+@app.command()
+def worker(
+    queues: str = typer.Option("cpu", "--queues", "-Q", help="Comma-separated queues: cpu, gpu."),
+    concurrency: int = typer.Option(1, "--concurrency", "-c", help="Jobs run at once by this worker."),
+    broker: Optional[str] = typer.Option(None, "--broker", help="redis://… (default FXPORT_BROKER_URL)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Artifact store (default FXPORT_STORE)."),
+    pool: str = typer.Option("prefork", "--pool", help="prefork (cancel can interrupt a job) or solo."),
+    hostname: Optional[str] = typer.Option(None, "--hostname", "-n", help="Worker node name."),
+    loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+) -> None:
+    """Run a Celery worker for the given queues (needs the \\[worker] extra)."""
+    # Flags become environment so the pool's child processes read the same settings.
+    if broker:
+        os.environ["FXPORT_BROKER_URL"] = broker
+    if store:
+        os.environ["FXPORT_STORE"] = store
+    wanted = [q.strip() for q in queues.split(",") if q.strip()]
+    bad = [q for q in wanted if q not in ("cpu", "gpu")]
+    if bad or not wanted:
+        _err.print(f"[red]error:[/] --queues {queues!r}: valid queues are cpu, gpu")
+        raise typer.Exit(EXIT_USAGE)
+    from fxport.config import Settings
+
+    if not Settings().broker_url:
+        _err.print("[red]error:[/] a worker needs a broker: --broker redis://… or FXPORT_BROKER_URL")
+        raise typer.Exit(EXIT_USAGE)
+    import fxport.workers.tasks  # noqa: F401  (registers the tasks)
+    from fxport.workers.celery_app import app as celery_app
+
+    argv = ["worker", "-Q", ",".join(wanted), "-c", str(concurrency), "--pool", pool, "-l", loglevel,
+            "--without-mingle", "--without-gossip", "-n", hostname or f"fxport-{'-'.join(wanted)}-{os.getpid()}@%h"]
+    celery_app.worker_main(argv)
+
+
+def main() -> None:
+    """Console entry point `fxport`."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,478 @@
+"""Artifact and input storage: one interface, an S3 backend and a filesystem backend.
+
+Every object carries its sha256 (S3 user metadata `sha256`, or a sidecar record in the
+filesystem store) and `get` verifies it, so a corrupted or truncated object is an error,
+never a silently wrong model. Keys are built only by the key builders below, from ids
+that match strict patterns: no user-supplied text ever becomes a path component
+unchecked.
+
+boto3 is imported only when an S3 store is opened: the thin client never pays for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import urllib.parse
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator, TypeVar
+
+from fxport.errors import FxportError
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+_T = TypeVar("_T")
+
+# ---------------------------------------------------------------------------------------
+# Keys (DESIGN.md §4): {tenant}/inputs/{sha256}, {tenant}/jobs/{job_id}/{name}
+# ---------------------------------------------------------------------------------------
+
+TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+JOB_ID_RE = re.compile(r"^[0-9a-z]{26}$")  # a lowercase ULID (fxport.jobs.new_job_id)
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
+MAX_NAME_SEGMENTS = 4
+
+
+class StorageError(FxportError):
+    code = "storage"
+
+
+class ObjectNotFound(StorageError):
+    code = "not_found"
+
+
+class IntegrityError(StorageError):
+    """Bytes read back do not match the sha256 recorded when they were written."""
+
+    code = "integrity"
+
+
+class InvalidKey(StorageError):
+    code = "invalid_key"
+
+
+def _check(pattern: re.Pattern[str], value: str, what: str) -> str:
+    if not isinstance(value, str) or not pattern.match(value):
+        raise InvalidKey(f"invalid {what} {value!r}: must match {pattern.pattern}", stage="upload")
+    return value
+
+
+def check_artifact_name(name: str) -> str:
+    """A relative artifact path: 1-4 segments of [A-Za-z0-9_.+-], none starting with '.'."""
+    if not isinstance(name, str) or len(name) > 512:
+        raise InvalidKey(f"invalid artifact name {name!r}", stage="upload")
+    parts = name.split("/")
+    if len(parts) > MAX_NAME_SEGMENTS or not all(_SEGMENT_RE.match(p) for p in parts):
+        raise InvalidKey(
+            f"invalid artifact name {name!r}: up to {MAX_NAME_SEGMENTS} '/'-separated segments of "
+            "letters, digits, _ . + -, none starting with '.'",
+            stage="upload",
+        )
+    return name
+
+
+def input_key(tenant: str, sha256: str) -> str:
+    return f"{_check(TENANT_RE, tenant, 'tenant')}/inputs/{_check(SHA256_RE, sha256, 'sha256')}"
+
+
+def job_prefix(tenant: str, job_id: str) -> str:
+    return f"{_check(TENANT_RE, tenant, 'tenant')}/jobs/{_check(JOB_ID_RE, job_id, 'job id')}/"
+
+
+def artifact_key(tenant: str, job_id: str, name: str) -> str:
+    return job_prefix(tenant, job_id) + check_artifact_name(name)
+
+
+# ---------------------------------------------------------------------------------------
+# Interface
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    key: str
+    bytes: int
+    sha256: str
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+class ArtifactStore(ABC):
+    """Content with its sha256. Keys come from `input_key` / `artifact_key`."""
+
+    url: str
+
+    @abstractmethod
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None) -> StoredObject:
+        """Store a local file. `sha256` (if the caller already computed it) skips a re-read."""
+
+    def put_stream(self, key: str, stream: IO[bytes], *, spool_dir: Path | None = None) -> StoredObject:
+        """Store a byte stream. It is spooled to a temp file first: the sha256 has to be known
+        before an S3 upload starts (it travels as object metadata) and memory stays bounded."""
+        with tempfile.NamedTemporaryFile(dir=spool_dir, prefix="fxport-put-", delete=True) as tmp:
+            h = hashlib.sha256()
+            while chunk := stream.read(CHUNK):
+                h.update(chunk)
+                tmp.write(chunk)
+            tmp.flush()
+            return self.put_file(key, Path(tmp.name), sha256=h.hexdigest())
+
+    @abstractmethod
+    def head(self, key: str) -> StoredObject | None:
+        """Size and recorded sha256, or None if there is no such object."""
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    @abstractmethod
+    def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        """Stream the object's bytes (unverified: the reader hashes and compares)."""
+
+    def get(self, key: str, dest: Path) -> StoredObject:
+        """Download to `dest`, verifying the sha256; a mismatch removes `dest` and raises."""
+        meta = self.head(key)
+        if meta is None:
+            raise ObjectNotFound(f"no object {key!r} in {self.url}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(dest.name + ".part")
+        h, n = hashlib.sha256(), 0
+        try:
+            with open(part, "wb") as f:
+                for chunk in self.iter_chunks(key):
+                    h.update(chunk)
+                    n += len(chunk)
+                    f.write(chunk)
+            if h.hexdigest() != meta.sha256 or n != meta.bytes:
+                raise IntegrityError(
+                    f"object {key!r} is corrupt: read {n} bytes with sha256 {h.hexdigest()[:12]}…, "
+                    f"recorded {meta.bytes} bytes with sha256 {meta.sha256[:12]}…"
+                )
+            os.replace(part, dest)
+        finally:
+            part.unlink(missing_ok=True)
+        return meta
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose key starts with `prefix` (must end with '/'). Returns the count."""
+
+    @abstractmethod
+    def list_prefix(self, prefix: str) -> list[StoredObject]:
+        """Objects under `prefix`, with their recorded sha256."""
+
+    def presigned_url(self, key: str, expires_s: int = 900) -> str | None:
+        """A time-limited GET URL, or None when the backend cannot make one."""
+        return None
+
+
+def _check_prefix(prefix: str) -> None:
+    # A bare "" or "tenant" prefix would delete far more than one job's files.
+    if not prefix.endswith("/") or prefix.count("/") < 2:
+        raise InvalidKey(f"refusing to delete prefix {prefix!r}: expected e.g. 'tenant/jobs/ID/'")
+
+
+# ---------------------------------------------------------------------------------------
+# Filesystem (embedded mode)
+# ---------------------------------------------------------------------------------------
+
+
+class FileStore(ArtifactStore):
+    """Objects under ROOT/objects/<key>, their sha256 under ROOT/meta/<key>.json.
+
+    A write goes to a temp file in the same filesystem and is renamed into place, so a
+    reader never sees half an object; the meta file is written first and the object
+    rename is the commit point (an object without meta is never listed as present).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+        self.url = f"file://{self.root}"
+        (self.root / "objects").mkdir(parents=True, exist_ok=True)
+        (self.root / "meta").mkdir(parents=True, exist_ok=True)
+        (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+
+    def _paths(self, key: str) -> tuple[Path, Path]:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise InvalidKey(f"invalid key {key!r}")
+        return self.root / "objects" / key, self.root / "meta" / (key + ".json")
+
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None) -> StoredObject:
+        obj, meta = self._paths(key)
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root / "tmp", prefix="put-")
+        try:
+            h, n = hashlib.sha256(), 0
+            with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
+                while chunk := src.read(CHUNK):
+                    h.update(chunk)
+                    n += len(chunk)
+                    out.write(chunk)
+            digest = h.hexdigest()
+            if sha256 is not None and sha256 != digest:
+                raise IntegrityError(f"{path} changed while being stored (sha256 {digest} != {sha256})")
+            stored = StoredObject(key=key, bytes=n, sha256=digest)
+            _atomic_write_text(meta, json.dumps({"sha256": digest, "bytes": n}))
+            os.replace(tmp, obj)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return stored
+
+    def head(self, key: str) -> StoredObject | None:
+        obj, meta = self._paths(key)
+        if not obj.is_file() or not meta.is_file():
+            return None
+        try:
+            data = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            return None
+        return StoredObject(key=key, bytes=int(data["bytes"]), sha256=str(data["sha256"]))
+
+    def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        obj, _ = self._paths(key)
+        try:
+            f = open(obj, "rb")
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
+        with f:
+            while chunk := f.read(chunk_size):
+                yield chunk
+
+    def delete_prefix(self, prefix: str) -> int:
+        _check_prefix(prefix)
+        count = 0
+        for base in ("objects", "meta"):
+            d = self.root / base / prefix.rstrip("/")
+            if d.is_dir():
+                if base == "objects":
+                    count = sum(1 for p in d.rglob("*") if p.is_file())
+                shutil.rmtree(d, ignore_errors=True)
+        return count
+
+    def list_prefix(self, prefix: str) -> list[StoredObject]:
+        base = self.root / "objects"
+        d = base / prefix.rstrip("/")
+        if not d.is_dir():
+            return []
+        out = []
+        for p in sorted(d.rglob("*")):
+            if p.is_file():
+                meta = self.head(p.relative_to(base).as_posix())
+                if meta is not None:
+                    out.append(meta)
+        return out
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".meta-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------
+# S3 (distributed mode)
+# ---------------------------------------------------------------------------------------
+
+
+class S3Store(ArtifactStore):
+    """An S3 bucket (optionally under a prefix) through boto3 with SigV4.
+
+    Endpoint, region and credentials come the way every AWS tool reads them
+    (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, profiles,
+    IRSA). Large files go up as multipart uploads (boto3's transfer manager); each S3 call is
+    retried by botocore ("standard" mode, exponential backoff), and a whole transfer that
+    still fails on a connection error is retried from the start a few times.
+    """
+
+    ATTEMPTS = 4
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        multipart_threshold: int = 64 << 20,
+        multipart_chunksize: int = 8 << 20,
+        max_concurrency: int = 4,
+    ) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        # Without signature_version="s3v4" presigned URLs come out SigV2 (ENVIRONMENT.md).
+        cfg = Config(
+            signature_version="s3v4",
+            retries={"max_attempts": 5, "mode": "standard"},
+            connect_timeout=5,
+            read_timeout=60,
+            s3={"addressing_style": "path"},
+        )
+        session = boto3.session.Session()
+        self._s3 = session.client("s3", endpoint_url=endpoint_url, config=cfg)
+        self._transfer = TransferConfig(
+            multipart_threshold=multipart_threshold,
+            multipart_chunksize=multipart_chunksize,
+            max_concurrency=max_concurrency,
+            use_threads=max_concurrency > 1,
+        )
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _retry(self, what: str, fn: Callable[[], _T]) -> _T:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import ReadTimeoutError
+
+        delay = 0.2
+        for attempt in range(1, self.ATTEMPTS + 1):
+            try:
+                return fn()
+            except (BotoConnectionError, ReadTimeoutError, ConnectionError) as exc:
+                if attempt == self.ATTEMPTS:
+                    raise StorageError(f"{what}: object store unreachable after {attempt} tries: {exc}") from exc
+                log.warning("retrying %s after %s (attempt %d)", what, type(exc).__name__, attempt)
+                time.sleep(delay)
+                delay = min(delay * 3, 5.0)
+        raise AssertionError("unreachable")
+
+    def put_file(self, key: str, path: Path, *, sha256: str | None = None) -> StoredObject:
+        digest, n = sha256_file(path)
+        if sha256 is not None and sha256 != digest:
+            raise IntegrityError(f"{path} changed while being stored (sha256 {digest} != {sha256})")
+
+        def upload() -> None:
+            # By file name, not file object: the transfer manager then reads each part from
+            # disk as it sends it, instead of holding up to max_in_memory_upload_chunks parts
+            # in memory (measured: +220 MiB server RSS for a 1 GiB model with a file object).
+            self._s3.upload_file(
+                str(path),
+                self.bucket,
+                self._k(key),
+                ExtraArgs={"Metadata": {"sha256": digest}},
+                Config=self._transfer,
+            )
+
+        self._retry(f"upload {key}", upload)
+        return StoredObject(key=key, bytes=n, sha256=digest)
+
+    def head(self, key: str) -> StoredObject | None:
+        from botocore.exceptions import ClientError
+
+        def call() -> dict[str, Any] | None:
+            try:
+                return self._s3.head_object(Bucket=self.bucket, Key=self._k(key))
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    return None
+                raise
+
+        resp = self._retry(f"head {key}", call)
+        if resp is None:
+            return None
+        sha = resp.get("Metadata", {}).get("sha256")
+        if not sha:
+            # Not written by fxport (or metadata lost): treat as absent rather than unverifiable.
+            log.warning("object %s has no sha256 metadata; ignoring it", key)
+            return None
+        return StoredObject(key=key, bytes=int(resp["ContentLength"]), sha256=sha)
+
+    def iter_chunks(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        from botocore.exceptions import ClientError
+
+        def call() -> dict[str, Any]:
+            try:
+                return self._s3.get_object(Bucket=self.bucket, Key=self._k(key))
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
+                raise
+
+        body = self._retry(f"get {key}", call)["Body"]
+        try:
+            yield from body.iter_chunks(chunk_size)
+        finally:
+            body.close()
+
+    def get(self, key: str, dest: Path) -> StoredObject:
+        # Reconnect-and-restart on a dropped connection mid-download; the base class
+        # verifies the sha256 of what arrived.
+        return self._retry(f"download {key}", lambda: super(S3Store, self).get(key, dest))
+
+    def delete_prefix(self, prefix: str) -> int:
+        _check_prefix(prefix)
+        keys = [{"Key": self._k(o.key)} for o in self._list_raw(prefix)]
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            self._retry(
+                f"delete {prefix}",
+                lambda b=batch: self._s3.delete_objects(Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}),
+            )
+        return len(keys)
+
+    def _list_raw(self, prefix: str) -> list[StoredObject]:
+        out: list[StoredObject] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._k(prefix)}
+            if token:
+                kwargs["ContinuationToken"] = token
+            resp = self._retry(f"list {prefix}", lambda kw=kwargs: self._s3.list_objects_v2(**kw))
+            for item in resp.get("Contents", []):
+                out.append(StoredObject(key=item["Key"][len(self.prefix) :], bytes=int(item["Size"]), sha256=""))
+            if not resp.get("IsTruncated"):
+                return out
+            token = resp.get("NextContinuationToken")
+
+    def list_prefix(self, prefix: str) -> list[StoredObject]:
+        out = []
+        for raw in self._list_raw(prefix):
+            meta = self.head(raw.key)
+            if meta is not None:
+                out.append(meta)
+        return out
+
+    def presigned_url(self, key: str, expires_s: int = 900) -> str | None:
+        return self._s3.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._k(key)}, ExpiresIn=int(expires_s)
+        )
+
+
+def open_store(url: str) -> ArtifactStore:
+    """`s3://BUCKET[/prefix]` or `file:///dir` (a plain path is taken as a folder)."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise StorageError(f"store URL {url!r}: expected s3://BUCKET[/prefix]")
+        return S3Store(parsed.netloc, parsed.path)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise StorageError(f"store URL {url!r}: expected file:///absolute/dir")
+        return FileStore(Path(urllib.parse.unquote(parsed.path)))
+    if parsed.scheme == "":
+        return FileStore(Path(url))
+    raise StorageError(f"store URL {url!r}: use s3://BUCKET[/prefix] or file:///dir")

@@ -1,0 +1,290 @@
+"""ConversionService: validate, store, enqueue, answer. Errors leave as gRPC status codes."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, NoReturn
+
+import grpc
+
+from fxport.config import Settings
+from fxport.errors import SpecError
+from fxport.jobs import (
+    IdempotencyConflict, InputRef, JobErrorInfo, JobRecord, JobState, JobStore, new_job_id,
+)
+from fxport.logs import job_context
+from fxport.spec import load_spec_text, parse_spec
+from fxport.storage import (
+    JOB_ID_RE, SHA256_RE, ArtifactStore, ObjectNotFound, StorageError, input_key, job_prefix,
+)
+from fxport.v1 import conversion_pb2 as pb
+from fxport.v1 import conversion_pb2_grpc as pb_grpc
+from fxport.service.dispatch import Dispatcher
+from fxport.service.messages import STATE_FROM_PROTO, event_to_proto, job_to_proto, timestamp
+from fxport.service.tenancy import current_tenant
+from fxport.service.limits import InFlightLimit
+from fxport.service.uploads import SpooledFile, SpooledUpload, UploadRejected, check_header
+
+log = logging.getLogger(__name__)
+
+WATCH_POLL_S = 1.0  # how long one blocking read waits before re-checking the client is still there
+DEFAULT_URL_EXPIRY_S = 900
+MAX_URL_EXPIRY_S = 7 * 24 * 3600
+MAX_IDEMPOTENCY_KEY = 256
+
+
+def abort_invalid_spec(context: grpc.ServicerContext, err: SpecError) -> NoReturn:
+    """INVALID_ARGUMENT with google.rpc.BadRequest field violations in the trailing metadata;
+    the message lists the same violations for clients that don't read the details."""
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    bad = error_details_pb2.BadRequest(
+        field_violations=[error_details_pb2.BadRequest.FieldViolation(field=f, description=m) for f, m in err.violations]
+    )
+    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(err))
+    status.details.add().Pack(bad)
+    context.abort_with_status(rpc_status.to_status(status))
+    raise AssertionError("unreachable")
+
+
+class ConversionServicer(pb_grpc.ConversionServiceServicer):
+    def __init__(
+        self,
+        settings: Settings,
+        jobs: JobStore,
+        artifacts: ArtifactStore,
+        dispatcher: Dispatcher,
+        tenant_of: Callable[[grpc.ServicerContext], str] = current_tenant,
+    ) -> None:
+        self.settings = settings
+        self.jobs = jobs
+        self.artifacts = artifacts
+        self.dispatcher = dispatcher
+        self.tenant_of = tenant_of
+        self.stopping = threading.Event()  # set when the server stops: open WatchJob streams end
+        self.in_flight = InFlightLimit(jobs, settings.max_jobs_in_flight)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _owned(self, job_id: str, context: grpc.ServicerContext) -> JobRecord:
+        """The job, if it exists and belongs to the caller's tenant; NOT_FOUND otherwise
+        (another tenant's job is indistinguishable from a missing one)."""
+        if not JOB_ID_RE.match(job_id or ""):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job_id: {job_id[:80]!r} is not a job id")
+        rec = self.jobs.get(job_id)
+        if rec is None or rec.tenant != self.tenant_of(context):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id}")
+        return rec
+
+    def _stored_input(self, tenant: str, what: str, header: pb.FileHeader, context: grpc.ServicerContext) -> InputRef:
+        key = input_key(tenant, header.sha256)
+        meta = self.artifacts.head(key)
+        if meta is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{what}.stored is set but this server has no {what} with sha256 {header.sha256}; "
+                          "send the bytes")
+        return InputRef(sha256=meta.sha256, bytes=meta.bytes, filename=header.filename, key=key)
+
+    def _store_input(self, tenant: str, spooled: SpooledFile) -> InputRef:
+        key = input_key(tenant, spooled.sha256)
+        if self.artifacts.head(key) is None:  # content-addressed: the same bytes are stored once
+            self.artifacts.put_file(key, spooled.path, sha256=spooled.sha256)
+        return InputRef(sha256=spooled.sha256, bytes=spooled.size, filename=spooled.filename, key=key)
+
+    # -- RPCs ------------------------------------------------------------------------------
+
+    def SubmitJob(self, request_iterator: Iterable[pb.SubmitJobRequest], context: grpc.ServicerContext) -> pb.Job:
+        tenant = self.tenant_of(context)
+        requests = iter(request_iterator)
+        first = next(requests, None)
+        if first is None or first.WhichOneof("payload") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first SubmitJobRequest must carry the header")
+        header = first.header
+        # 1. The spec, before anything is stored.
+        if len(header.spec.encode()) > self.settings.max_spec_bytes:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"spec is {len(header.spec.encode())} bytes; the limit is {self.settings.max_spec_bytes}")
+        try:
+            spec = parse_spec(load_spec_text(header.spec, source="spec"))
+        except SpecError as err:
+            abort_invalid_spec(context, err)
+        if not header.HasField("model"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "header.model is required")
+        if len(header.idempotency_key) > MAX_IDEMPOTENCY_KEY:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"idempotency_key is longer than {MAX_IDEMPOTENCY_KEY} characters")
+        try:
+            check_header("model", header.model, self.settings.max_upload_bytes)
+            if header.HasField("calibration"):
+                check_header("calibration", header.calibration, self.settings.max_upload_bytes)
+        except UploadRejected as rej:
+            context.abort(rej.code, rej.message)
+        # 2. A repeated submit with a known key is answered before any bytes move.
+        key = header.idempotency_key or None
+        if key:
+            existing = self.jobs.find_idempotent(tenant, key)
+            if existing is not None:
+                if existing.spec_digest == spec.digest() and header.model.sha256 in ("", existing.model.sha256):
+                    log.info("idempotent resubmit", extra={"job_id": existing.id})
+                    return job_to_proto(existing)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(IdempotencyConflict(existing)))
+        # A tenant at its in-flight limit is refused before any byte moves (and again at create).
+        self.in_flight.check(tenant, context)
+        # 3. Bytes: spooled to disk, checked, stored content-addressed.
+        started = time.monotonic()
+        with SpooledUpload(self.settings.spool_dir, self.settings.max_upload_bytes) as upload:
+            try:
+                model_file, calib_file = upload.receive(header, requests)
+            except UploadRejected as rej:
+                context.abort(rej.code, rej.message)
+            try:
+                model = (self._store_input(tenant, model_file) if model_file
+                         else self._stored_input(tenant, "model", header.model, context))
+                calibration = None
+                if calib_file is not None:
+                    calibration = self._store_input(tenant, calib_file)
+                elif header.HasField("calibration"):
+                    calibration = self._stored_input(tenant, "calibration", header.calibration, context)
+            except StorageError as exc:
+                log.error("object store failure during submit: %s", exc)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"object store unavailable, try again: {exc}")
+        upload_s = time.monotonic() - started
+        # 4. The record, then the queue.
+        job_id = new_job_id()
+        rec = JobRecord(
+            id=job_id, tenant=tenant, spec=spec.normalized(), spec_digest=spec.digest(), labels=spec.labels,
+            model=model, calibration=calibration, idempotency_key=key, task_id=job_id, message="queued",
+        )
+        try:
+            with self.in_flight.admit(tenant, context):
+                rec, created = self.jobs.create(rec)
+        except IdempotencyConflict as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        with job_context(rec.id):
+            if not created:
+                return job_to_proto(rec)
+            try:
+                self.dispatcher.enqueue(rec.id)
+            except Exception as exc:
+                log.error("enqueue failed: %s", exc)
+                self.jobs.transition(rec.id, state=JobState.FAILED, error=JobErrorInfo(
+                    stage="submit", code="enqueue_failed", message=f"could not queue the job: {exc}"))
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"job queue unavailable, try again: {exc}")
+            log.info("job submitted", extra={"tenant": tenant, "model_bytes": model.bytes,
+                                             "upload_s": round(upload_s, 3), "targets": ",".join(spec.targets)})
+        return job_to_proto(rec)
+
+    def CheckUpload(self, request: pb.CheckUploadRequest, context: grpc.ServicerContext) -> pb.CheckUploadResponse:
+        tenant = self.tenant_of(context)
+        out = pb.CheckUploadResponse(max_upload_bytes=self.settings.max_upload_bytes)
+        for field, present in (("model_sha256", "model_present"), ("calibration_sha256", "calibration_present")):
+            sha = getattr(request, field)
+            if not sha:
+                continue
+            if not SHA256_RE.match(sha):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected 64 lowercase hex digits")
+            setattr(out, present, self.artifacts.exists(input_key(tenant, sha)))
+        return out
+
+    def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.Job:
+        return job_to_proto(self._owned(request.job_id, context))
+
+    def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
+        tenant = self.tenant_of(context)
+        try:
+            states = [STATE_FROM_PROTO[s] for s in request.states]
+        except KeyError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "states: JOB_STATE_UNSPECIFIED is not a filter")
+        if request.page_size < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_size: must not be negative")
+        try:
+            records, token = self.jobs.list(tenant, states=states, labels=dict(request.labels),
+                                            page_size=request.page_size or 50, page_token=request.page_token or None)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.ListJobsResponse(jobs=[job_to_proto(r) for r in records], next_page_token=token or "")
+
+    def WatchJob(self, request: pb.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
+        rec = self._owned(request.job_id, context)
+        after = max(0, request.after_seq)
+        while context.is_active() and not self.stopping.is_set():
+            events = self.jobs.read_events(rec.id, after, timeout=WATCH_POLL_S)
+            for ev in events:
+                after = ev.seq
+                if ev.terminal:
+                    yield event_to_proto(ev, self.jobs.get(rec.id))
+                    return
+                yield event_to_proto(ev)
+            if not events:
+                current = self.jobs.get(rec.id)
+                if current is not None and current.terminal and current.last_seq <= after:
+                    # Resuming past the end (or the stream was trimmed): one terminal event.
+                    yield self._terminal_event(current)
+                    return
+
+    @staticmethod
+    def _terminal_event(rec: JobRecord) -> pb.JobEvent:
+        from fxport.jobs import event_for
+
+        return event_to_proto(event_for(rec, rec.last_seq), rec)
+
+    def CancelJob(self, request: pb.CancelJobRequest, context: grpc.ServicerContext) -> pb.Job:
+        rec = self._owned(request.job_id, context)
+        with job_context(rec.id):
+            if rec.terminal:
+                return job_to_proto(rec)
+            new, changed = self.jobs.transition(
+                rec.id, state=JobState.CANCELLED, message="cancelled",
+                error=JobErrorInfo(stage=rec.stage, code="cancelled", message="cancelled by request"),
+            )
+            if changed:
+                self.dispatcher.cancel(new)
+                try:
+                    self.artifacts.delete_prefix(job_prefix(rec.tenant, rec.id))
+                except StorageError as exc:  # the worker removes them too when it sees the cancel
+                    log.warning("could not remove partial artifacts: %s", exc)
+                log.info("job cancelled", extra={"stage": rec.stage})
+            return job_to_proto(new)
+
+    def _artifact(self, rec: JobRecord, name: str, context: grpc.ServicerContext) -> Any:
+        for art in rec.artifacts:
+            if art.name == name:
+                return art
+        names = ", ".join(a.name for a in rec.artifacts) or "none yet"
+        context.abort(grpc.StatusCode.NOT_FOUND, f"job {rec.id} has no artifact {name!r}; it has: {names}")
+
+    def DownloadArtifact(
+        self, request: pb.DownloadArtifactRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.DownloadArtifactResponse]:
+        rec = self._owned(request.job_id, context)
+        art = self._artifact(rec, request.name, context)
+        yield pb.DownloadArtifactResponse(header=pb.ArtifactHeader(name=art.name, bytes=art.bytes, sha256=art.sha256))
+        h = hashlib.sha256()
+        try:
+            for chunk in self.artifacts.iter_chunks(art.key):
+                h.update(chunk)
+                yield pb.DownloadArtifactResponse(chunk=chunk)
+        except ObjectNotFound:
+            context.abort(grpc.StatusCode.DATA_LOSS, f"artifact {art.name!r} is recorded but missing from the store")
+        except StorageError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"object store: {exc}")
+        if h.hexdigest() != art.sha256:
+            with job_context(rec.id):
+                log.error("stored artifact %s does not match its sha256", art.name)
+            context.abort(grpc.StatusCode.DATA_LOSS, f"artifact {art.name!r} in the store does not match its sha256")
+
+    def GetArtifactUrl(self, request: pb.GetArtifactUrlRequest, context: grpc.ServicerContext) -> pb.GetArtifactUrlResponse:
+        rec = self._owned(request.job_id, context)
+        art = self._artifact(rec, request.name, context)
+        expires = min(max(request.expires_s or DEFAULT_URL_EXPIRY_S, 1), MAX_URL_EXPIRY_S)
+        url = self.artifacts.presigned_url(art.key, expires)
+        if url is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this server's artifact store cannot make presigned URLs; use DownloadArtifact")
+        out = pb.GetArtifactUrlResponse(url=url, bytes=art.bytes, sha256=art.sha256)
+        out.expires_at.CopyFrom(timestamp(time.time() + expires))
+        return out

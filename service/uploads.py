@@ -1,0 +1,134 @@
+"""Spool a SubmitJob upload stream to disk: bounded memory, running sha256, size limits.
+
+The stream is `header, model_chunk*, calibration_chunk*`. Each chunk goes straight to a
+temp file while its sha256 and size are tallied; a file over the limit is refused with
+RESOURCE_EXHAUSTED as soon as the limit is crossed (or up front, from the declared size),
+and a size or digest that differs from the header is refused with INVALID_ARGUMENT. The
+caller then stores the files content-addressed under `{tenant}/inputs/{sha256}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+
+from fxport.storage import SHA256_RE
+from fxport.v1 import conversion_pb2 as pb
+
+
+class UploadRejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class SpooledFile:
+    path: Path
+    size: int
+    sha256: str
+    filename: str
+
+
+def check_header(what: str, header: pb.FileHeader, max_bytes: int) -> None:
+    """Refuse what can be refused before any byte arrives."""
+    if header.sha256 and not SHA256_RE.match(header.sha256):
+        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{what}.sha256: expected 64 lowercase hex digits, got {header.sha256[:80]!r}")
+    if header.size < 0:
+        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}.size: must not be negative")
+    if header.size > max_bytes:
+        raise UploadRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{what} is {header.size} bytes; this server accepts at most {max_bytes} bytes")
+    if header.stored and not header.sha256:
+        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}.stored needs {what}.sha256")
+
+
+class _Sink:
+    def __init__(self, what: str, header: pb.FileHeader, directory: Path, max_bytes: int) -> None:
+        self.what, self.header, self.max_bytes = what, header, max_bytes
+        self.path = directory / what
+        self.file = open(self.path, "wb")
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.max_bytes:
+            raise UploadRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"{self.what} upload passed {self.max_bytes} bytes, this server's limit")
+        if self.header.size and self.size > self.header.size:
+            raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"{self.what} upload is longer than the {self.header.size} bytes its header declared")
+        self.hash.update(chunk)
+        self.file.write(chunk)
+
+    def finish(self) -> SpooledFile:
+        self.file.close()
+        digest = self.hash.hexdigest()
+        if self.size == 0:
+            raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{self.what} upload is empty")
+        if self.header.size and self.size != self.header.size:
+            raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"{self.what} upload ended after {self.size} of {self.header.size} declared bytes")
+        if self.header.sha256 and digest != self.header.sha256:
+            raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"{self.what} upload corrupted in transit: sha256 {digest} != declared {self.header.sha256}")
+        return SpooledFile(self.path, self.size, digest, self.header.filename)
+
+
+class SpooledUpload:
+    """`with SpooledUpload(dir, max) as up: model, calib = up.receive(header, rest)`; files are
+    deleted on exit."""
+
+    def __init__(self, spool_dir: Path | None, max_bytes: int) -> None:
+        self.spool_dir, self.max_bytes = spool_dir, max_bytes
+        self.dir: Path | None = None
+
+    def __enter__(self) -> "SpooledUpload":
+        if self.spool_dir:
+            Path(self.spool_dir).mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="fxport-upload-", dir=self.spool_dir))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def receive(
+        self, header: pb.SubmitHeader, rest: Iterator[pb.SubmitJobRequest]
+    ) -> tuple[SpooledFile | None, SpooledFile | None]:
+        assert self.dir is not None
+        has_calib = header.HasField("calibration")
+        model = None if header.model.stored else _Sink("model", header.model, self.dir, self.max_bytes)
+        calib = (_Sink("calibration", header.calibration, self.dir, self.max_bytes)
+                 if has_calib and not header.calibration.stored else None)
+        phase = "model"
+        try:
+            for req in rest:
+                kind = req.WhichOneof("payload")
+                if kind == "model_chunk":
+                    if phase != "model" or model is None:
+                        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                             "model_chunk after calibration data, or with model.stored set")
+                    model.write(req.model_chunk)
+                elif kind == "calibration_chunk":
+                    if calib is None:
+                        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                             "calibration_chunk without a calibration header (or with calibration.stored)")
+                    phase = "calibration"
+                    calib.write(req.calibration_chunk)
+                else:
+                    raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT, "only the first message may be a header")
+            return (model.finish() if model else None), (calib.finish() if calib else None)
+        finally:
+            for sink in (model, calib):
+                if sink is not None and not sink.file.closed:
+                    sink.file.close()

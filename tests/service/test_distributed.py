@@ -1,0 +1,148 @@
+"""End to end through the distributed stack: gRPC API → Redis/Celery workers → S3 → client."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from fxport.client import Client, JobNotFound, RequestRefused
+from fxport.storage import job_prefix
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def client(distributed_stack):
+    with Client(distributed_stack.address) as c:
+        yield c
+
+
+def test_submit_watch_download_verify_onnx(distributed_stack, client, tiny_pt2, tmp_path):
+    import onnxruntime as ort
+    import torch
+
+    from tests.models import CORPUS
+
+    job = client.submit(tiny_pt2, {"targets": ["onnx", "torchscript"], "labels": {"suite": "e2e"}})
+    assert job.state == "QUEUED"
+    events = []
+    job.wait(timeout=180, on_event=events.append)
+    assert job.state == "SUCCEEDED", (job.error, distributed_stack.logs())
+
+    # Events: strictly increasing seqs, RUNNING through the engine's stages, one terminal at the end.
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(set(seqs)) and seqs[0] == 1
+    assert {"load", "capture", "export", "verify", "upload"} <= {e.stage for e in events if e.state == "RUNNING"}
+    assert events[-1].state == "SUCCEEDED" and not any(e.terminal for e in events[:-1])
+
+    # Artifacts: deterministic keys, downloaded with every sha256 checked.
+    names = {a["name"] for a in job.artifacts}
+    assert {"model.onnx", "model.ts", "manifest.json"} <= names
+    for a in job.artifacts:
+        assert a["key"] == job_prefix("default", job.id) + a["name"]
+    paths = job.download(tmp_path / "out")
+    for a, p in zip(job.artifacts, paths):
+        assert hashlib.sha256(p.read_bytes()).hexdigest() == a["sha256"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert all(v["passed"] for v in manifest["verification"])
+
+    # The ONNX computes what the eager model computes.
+    case = CORPUS["tiny_linear"]
+    x = case.example_inputs(3)
+    with torch.no_grad():
+        expected = case.build()(*x).numpy()
+    sess = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {i.name: t.numpy() for i, t in zip(sess.get_inputs(), x)}
+    got = sess.run(None, feeds)[0]
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-3)
+
+    # The record in Redis says the same, and a presigned S3 URL serves the same bytes.
+    rec = distributed_stack.job_store().get(job.id)
+    assert rec.state.value == "SUCCEEDED" and rec.worker and rec.attempts == 1
+    assert {"load", "capture", "export", "verify", "upload"} <= set(rec.stage_timings)
+    onnx = next(a for a in job.artifacts if a["name"] == "model.onnx")
+    with urllib.request.urlopen(client.artifact_url(job.id, "model.onnx"), timeout=10) as resp:
+        assert hashlib.sha256(resp.read()).hexdigest() == onnx["sha256"]
+
+    # Resuming WatchJob past the end gives just the terminal event; listing finds the job.
+    again = list(client.get(job.id).events(after_seq=seqs[-1], timeout=10))
+    assert [e.state for e in again] == ["SUCCEEDED"]
+    assert job.id in [j.id for j in client.list(labels={"suite": "e2e"})]
+
+
+def test_same_model_twice_skips_upload_and_idempotency_key_returns_same_job(distributed_stack, client, tiny_pt2):
+    first = client.submit(tiny_pt2, {"targets": ["fx_source"]}, idempotency_key="idem-e2e-1")
+    again = client.submit(tiny_pt2, {"targets": ["fx_source"]}, idempotency_key="idem-e2e-1")
+    assert again.id == first.id
+    with pytest.raises(RequestRefused, match="different model or spec"):
+        client.submit(tiny_pt2, {"targets": ["onnx"]}, idempotency_key="idem-e2e-1")
+    first.wait(timeout=120)
+    assert first.state == "SUCCEEDED", first.error
+
+
+def test_cancel_running_job_removes_partial_artifacts(distributed_stack, client, resnet18_pt2, tiny_pt2):
+    job = client.submit(resnet18_pt2, {"targets": ["torchscript", "onnx", "exported_program", "fx_source"]})
+    for ev in job.events(timeout=120):
+        if ev.state == "RUNNING" and ev.stage in ("capture", "passes", "export"):
+            break
+    cancelled = job.cancel()
+    assert cancelled.state == "CANCELLED"
+    assert cancelled.error["code"] == "cancelled"
+
+    # The worker notices, stops the sandbox and cleans up; the job never becomes SUCCEEDED.
+    store = distributed_stack.artifact_store()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        if not store.list_prefix(job_prefix("default", job.id)):
+            break
+    assert store.list_prefix(job_prefix("default", job.id)) == []
+    assert client.get(job.id).state == "CANCELLED"
+
+    # The worker is free again: a next job runs to the end.
+    nxt = client.submit(tiny_pt2, {"targets": ["fx_source"]}).wait(timeout=120)
+    assert nxt.state == "SUCCEEDED", (nxt.error, distributed_stack.logs())
+    assert client.get(job.id).state == "CANCELLED"
+
+
+def test_list_jobs_pages_through_label_filtered_records(distributed_stack, client):
+    from fxport.jobs import InputRef, JobRecord, JobState, new_job_id
+
+    jobs = distributed_stack.job_store()
+    label = f"paging-{time.time_ns()}"
+    made = []
+    for i in range(7):
+        rec = JobRecord(id=new_job_id(), tenant="default", labels={"suite": label},
+                        model=InputRef(sha256="0" * 64, bytes=1, key="default/inputs/" + "0" * 64))
+        jobs.create(rec)
+        if i % 2:
+            jobs.transition(rec.id, state=JobState.FAILED)
+        made.append(rec.id)
+        time.sleep(0.002)  # distinct milliseconds: ids sort by creation time
+
+    seen, token, pages = [], "", 0
+    while True:
+        page = client.list(labels={"suite": label}, page_size=3, page_token=token)
+        pages += 1
+        seen += [j.id for j in page.jobs]
+        token = page.next_page_token
+        if not token:
+            break
+    assert pages == 3
+    assert seen == list(reversed(made))  # newest first, no gaps, no repeats
+    failed = client.list(labels={"suite": label}, states=["FAILED"], page_size=50)
+    assert [j.id for j in failed.jobs] == [made[i] for i in (5, 3, 1)]
+
+
+def test_missing_job_is_not_found(client):
+    from fxport.jobs import new_job_id
+
+    with pytest.raises(JobNotFound, match="no job"):
+        client.get(new_job_id())
+    with pytest.raises(JobNotFound):
+        client.cancel(new_job_id())

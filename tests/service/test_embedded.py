@@ -1,0 +1,101 @@
+"""Embedded mode end to end: `fxport serve` with no mode flags, driven by the `fxport` CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def fxport(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fxport.client.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_submit_wait_out_json_on_embedded_server(embedded_server, tiny_pt2, tmp_path):
+    out = tmp_path / "artifacts"
+    res = fxport("submit", str(tiny_pt2), "--target", "onnx", "--target", "fx_source", "--label", "suite=embedded",
+                 "--server", embedded_server.address, "--wait", "--out", str(out), "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)  # exactly one JSON document on stdout
+    assert doc["state"] == "SUCCEEDED" and doc["labels"] == {"suite": "embedded"}
+    by_name = {a["name"]: a for a in doc["artifacts"]}
+    assert "model.onnx" in by_name and "manifest.json" in by_name
+    assert any(n.startswith("fx_source/") for n in by_name)
+    for name, art in by_name.items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == art["sha256"]
+    assert sorted(doc["downloaded"]) == sorted(str(out / n) for n in by_name)
+
+    # Embedded state lives under FXPORT_HOME: SQLite job store + filesystem artifact store.
+    home = embedded_server.home
+    assert (home / "jobs.db").is_file()
+    onnx_key = by_name["model.onnx"]["key"]
+    assert (home / "store" / "objects" / onnx_key).read_bytes() == (out / "model.onnx").read_bytes()
+
+    listed = json.loads(fxport("jobs", "list", "--label", "suite=embedded", "--server", embedded_server.address,
+                               "--json").stdout)
+    assert [j["id"] for j in listed["jobs"]] == [doc["id"]]
+    again = tmp_path / "again"
+    res = fxport("jobs", "download", doc["id"], "--out", str(again), "--name", "model.onnx",
+                 "--server", embedded_server.address)
+    assert res.returncode == 0, res.stderr
+    assert (again / "model.onnx").read_bytes() == (out / "model.onnx").read_bytes()
+    # The filesystem store cannot presign: FAILED_PRECONDITION, exit 2 through the client.
+    from fxport.client import Client, RequestRefused
+
+    with Client(embedded_server.address) as c, pytest.raises(RequestRefused, match="presigned"):
+        c.artifact_url(doc["id"], "model.onnx")
+
+
+def test_cli_exit_codes(embedded_server, tiny_pt2, tmp_path):
+    from fxport.jobs import new_job_id
+    from tests.fixtures.servers import free_port
+
+    # 2: invalid spec, refused locally before any upload, field path named.
+    res = fxport("submit", str(tiny_pt2), "--target", "tflite", "--server", embedded_server.address, "--json")
+    assert res.returncode == 2
+    err = json.loads(res.stdout)["error"]
+    assert err["violations"][0]["field"].startswith("targets")
+    # 2: a job that does not exist.
+    assert fxport("jobs", "get", new_job_id(), "--server", embedded_server.address).returncode == 2
+    # 4: nothing listens there.
+    res = fxport("jobs", "list", "--server", f"127.0.0.1:{free_port()}", "--json")
+    assert res.returncode == 4 and "unreachable" in json.loads(res.stdout)["error"]["message"]
+    # 3: gave up waiting (the job keeps running on the server).
+    res = fxport("submit", str(tiny_pt2), "--target", "onnx", "--server", embedded_server.address,
+                 "--wait", "--timeout", "0.5", "--json")
+    assert res.returncode == 3, res.stderr
+    # 1: the job failed (a model file that is not a model: the load stage says so).
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(b"not a model at all")
+    res = fxport("submit", str(junk), "--target", "onnx", "--server", embedded_server.address, "--wait", "--json")
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["state"] == "FAILED" and doc["error"]["stage"] == "load" and doc["error"]["message"]
+
+
+def test_cancel_running_job_stops_its_sandbox(embedded_server, resnet18_pt2):
+    import time
+
+    from fxport.client import Client
+    from tests.fixtures.servers import sandbox_pids
+
+    with Client(embedded_server.address) as client:
+        job = client.submit(resnet18_pt2, {"targets": ["torchscript", "onnx", "exported_program", "fx_source"]})
+        for ev in job.events(timeout=120):
+            if ev.state == "RUNNING" and ev.stage in ("capture", "passes", "export"):
+                break
+        assert sandbox_pids(embedded_server.process.pid, job.id), "no sandbox running the job"
+        assert job.cancel().state == "CANCELLED"
+        deadline = time.monotonic() + 10
+        while sandbox_pids(embedded_server.process.pid, job.id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sandbox_pids(embedded_server.process.pid, job.id) == []
+        time.sleep(1)  # a late upload or SUCCEEDED from the interrupted run would show by now
+        assert client.get(job.id).state == "CANCELLED"
+        assert not (embedded_server.home / "store" / "objects" / "default" / "jobs" / job.id).exists()

@@ -1,0 +1,135 @@
+"""JobStore on both backends (a real Redis, SQLite): idempotent create, guarded transitions,
+resumable events, paging."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from fxport.jobs import (
+    IdempotencyConflict, InputRef, JobErrorInfo, JobRecord, JobState, RedisJobStore, SqliteJobStore,
+    apply_update, decode_page_token, new_job_id,
+)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def jobs(request, tmp_path):
+    if request.param == "sqlite":
+        store = SqliteJobStore(tmp_path / "jobs.db")
+    else:
+        store = RedisJobStore(request.getfixturevalue("redis_server").url, namespace=f"t{uuid.uuid4().hex[:8]}")
+    yield store
+    store.close()
+
+
+def record(tenant: str = "default", **kw) -> JobRecord:
+    return JobRecord(id=new_job_id(), tenant=tenant, spec_digest=kw.pop("spec_digest", "d1"),
+                     model=InputRef(sha256=kw.pop("sha", "a" * 64), bytes=1, key="k"), **kw)
+
+
+def test_create_get_and_idempotency_key(jobs):
+    first, created = jobs.create(record(idempotency_key="ci-run-42"))
+    assert created and first.last_seq == 1 and jobs.get(first.id) == first
+    again, created = jobs.create(record(idempotency_key="ci-run-42"))
+    assert not created and again.id == first.id
+    assert jobs.find_idempotent("default", "ci-run-42").id == first.id
+    # Same key, other tenant: a different job. Same key, other spec: refused.
+    other, created = jobs.create(record(tenant="other", idempotency_key="ci-run-42"))
+    assert created and other.id != first.id
+    with pytest.raises(IdempotencyConflict):
+        jobs.create(record(idempotency_key="ci-run-42", spec_digest="d2"))
+    assert jobs.get(new_job_id()) is None
+
+
+def test_transitions_are_guarded_and_replays_harmless(jobs):
+    rec, _ = jobs.create(record())
+    rec, changed = jobs.transition(rec.id, state=JobState.RUNNING, stage="load", new_attempt=True, worker="w1")
+    assert changed and rec.state is JobState.RUNNING and rec.attempts == 1 and rec.started_at
+    rec, _ = jobs.transition(rec.id, stage="capture", progress=0.5, message="fx")
+    assert rec.stage_timings["load"].finished_at and rec.stage_timings["capture"].started_at
+    done, changed = jobs.transition(rec.id, state=JobState.SUCCEEDED)
+    assert changed and done.finished_at and done.progress == 1.0
+    # A late progress event, a replayed FAILED, a cancel, a requeue: none move a finished job.
+    for late in ({"stage": "verify", "progress": 0.1}, {"state": JobState.FAILED},
+                 {"state": JobState.CANCELLED}, {"state": JobState.QUEUED}, {"state": JobState.RUNNING}):
+        after, changed = jobs.transition(done.id, **late)
+        assert not changed and after == done
+    assert jobs.get(done.id) == done
+    assert jobs.transition(new_job_id(), state=JobState.RUNNING) == (None, False)
+
+
+def test_events_are_sequenced_and_resumable(jobs):
+    rec, _ = jobs.create(record())
+    jobs.transition(rec.id, state=JobState.RUNNING, stage="load")
+    jobs.transition(rec.id, stage="capture", progress=0.3)
+    jobs.transition(rec.id, state=JobState.FAILED, error=JobErrorInfo(stage="capture", code="capture_failed",
+                                                                        message="no"))
+    events = jobs.read_events(rec.id, 0)
+    assert [e.seq for e in events] == [1, 2, 3, 4]
+    assert [e.state for e in events] == [JobState.QUEUED, JobState.RUNNING, JobState.RUNNING, JobState.FAILED]
+    assert events[2].stage == "capture" and events[2].progress == pytest.approx(0.3)
+    assert [e.seq for e in jobs.read_events(rec.id, 2)] == [3, 4]  # resume after seq 2
+    assert jobs.read_events(rec.id, 4, timeout=0.2) == []
+
+
+def test_read_events_wakes_on_a_new_event(jobs):
+    rec, _ = jobs.create(record())
+    timer = threading.Timer(0.3, lambda: jobs.transition(rec.id, state=JobState.RUNNING))
+    timer.start()
+    t0 = time.monotonic()
+    events = jobs.read_events(rec.id, 1, timeout=5)
+    timer.join()
+    assert [e.seq for e in events] == [2] and time.monotonic() - t0 < 2.5
+
+
+def test_list_pages_newest_first_with_filters(jobs):
+    made = []
+    for i in range(5):
+        rec, _ = jobs.create(record(labels={"team": "vision" if i % 2 == 0 else "nlp"}))
+        made.append(rec.id)
+        time.sleep(0.002)
+    jobs.create(record(tenant="someone-else"))
+    jobs.transition(made[4], state=JobState.CANCELLED)
+
+    page1, tok = jobs.list("default", page_size=2)
+    page2, tok2 = jobs.list("default", page_size=2, page_token=tok)
+    page3, tok3 = jobs.list("default", page_size=2, page_token=tok2)
+    assert [r.id for r in page1 + page2 + page3] == made[::-1] and tok3 is None
+    vision, _ = jobs.list("default", labels={"team": "vision"})
+    assert [r.id for r in vision] == [made[4], made[2], made[0]]
+    queued_vision, _ = jobs.list("default", labels={"team": "vision"}, states=[JobState.QUEUED])
+    assert [r.id for r in queued_vision] == [made[2], made[0]]
+    with pytest.raises(ValueError, match="page_token"):
+        jobs.list("default", page_token="not-a-token")
+
+
+def test_ids_in_states_for_recovery(jobs):
+    a, _ = jobs.create(record())
+    b, _ = jobs.create(record())
+    jobs.transition(b.id, state=JobState.RUNNING)
+    c, _ = jobs.create(record())
+    jobs.transition(c.id, state=JobState.SUCCEEDED)
+    assert set(jobs.ids_in_states([JobState.QUEUED, JobState.RUNNING])) >= {a.id, b.id}
+    assert c.id not in jobs.ids_in_states([JobState.QUEUED, JobState.RUNNING])
+
+
+def test_state_machine_table():
+    base = record()
+    running = apply_update(base, state=JobState.RUNNING)
+    assert apply_update(base, state=JobState.CANCELLED).state is JobState.CANCELLED
+    assert apply_update(running, state=JobState.QUEUED).state is JobState.QUEUED  # requeued after restart
+    for terminal in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        done = apply_update(running, state=terminal)
+        assert all(apply_update(done, state=s) is None for s in JobState)
+
+
+def test_job_ids_sort_by_time_and_tokens_roundtrip():
+    a = new_job_id(1_000.0)
+    b = new_job_id(1_000.002)
+    assert a < b and len(a) == 26
+    from fxport.jobs import _encode_token
+
+    assert decode_page_token(_encode_token(a)) == a

@@ -1,0 +1,139 @@
+"""ArtifactStore: the filesystem backend and the S3 backend (a real SeaweedFS, auth on)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import urllib.request
+
+import pytest
+
+from fxport.storage import (
+    FileStore, IntegrityError, InvalidKey, ObjectNotFound, S3Store, artifact_key, input_key, job_prefix, open_store,
+)
+
+JOB = "01m8kvr8p9r91rpbemf9nds6es"
+SHA = hashlib.sha256(b"model bytes").hexdigest()
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request, tmp_path):
+    if request.param == "file":
+        return FileStore(tmp_path / "store")
+    s3 = request.getfixturevalue("s3_server")
+    # A small multipart threshold so the multipart path runs on a test-sized file.
+    return S3Store(s3.bucket, f"unit-{os.getpid()}-{id(request)}", endpoint_url=s3.endpoint,
+                   multipart_threshold=5 << 20, multipart_chunksize=5 << 20)
+
+
+def test_put_get_roundtrip_records_sha256(store, tmp_path):
+    data = os.urandom(11 << 20)  # above the S3 multipart threshold
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    key = artifact_key("default", JOB, "model.onnx")
+    stored = store.put_file(key, src)
+    assert stored.sha256 == hashlib.sha256(data).hexdigest() and stored.bytes == len(data)
+    assert store.head(key) == stored and store.exists(key)
+    got = store.get(key, tmp_path / "dl" / "model.onnx")
+    assert got == stored and (tmp_path / "dl" / "model.onnx").read_bytes() == data
+
+    streamed = store.put_stream(artifact_key("default", JOB, "fx_source/module.py"), io.BytesIO(b"print(1)\n"))
+    assert streamed.sha256 == hashlib.sha256(b"print(1)\n").hexdigest()
+    assert [o.key for o in store.list_prefix(job_prefix("default", JOB))] == [
+        artifact_key("default", JOB, "fx_source/module.py"), key]
+
+    assert store.delete_prefix(job_prefix("default", JOB)) == 2
+    assert not store.exists(key) and store.list_prefix(job_prefix("default", JOB)) == []
+    with pytest.raises(ObjectNotFound):
+        store.get(key, tmp_path / "gone")
+
+
+def test_put_refuses_a_file_that_does_not_match_the_callers_digest(store, tmp_path):
+    src = tmp_path / "m"
+    src.write_bytes(b"model bytes")
+    with pytest.raises(IntegrityError):
+        store.put_file(input_key("default", SHA), src, sha256="0" * 64)
+
+
+def test_get_detects_corruption(tmp_path):
+    store = FileStore(tmp_path / "store")
+    src = tmp_path / "m"
+    src.write_bytes(b"model bytes")
+    key = input_key("default", SHA)
+    store.put_file(key, src)
+    (tmp_path / "store" / "objects" / key).write_bytes(b"model bytez")  # bit rot
+    with pytest.raises(IntegrityError, match="corrupt"):
+        store.get(key, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_s3_get_detects_an_object_overwritten_behind_our_back(s3_server, tmp_path):
+    store = S3Store(s3_server.bucket, "tamper", endpoint_url=s3_server.endpoint)
+    src = tmp_path / "m"
+    src.write_bytes(b"model bytes")
+    key = input_key("default", SHA)
+    store.put_file(key, src)
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key="tamper/" + key, Body=b"evil bytes!",
+                                  Metadata={"sha256": SHA})
+    with pytest.raises(IntegrityError):
+        store.get(key, tmp_path / "out")
+
+
+def test_presigned_url_s3_serves_the_object_and_file_store_has_none(s3_server, tmp_path):
+    src = tmp_path / "m"
+    src.write_bytes(b"model bytes")
+    s3 = S3Store(s3_server.bucket, "presign", endpoint_url=s3_server.endpoint)
+    key = input_key("default", SHA)
+    s3.put_file(key, src)
+    url = s3.presigned_url(key, 60)
+    assert "X-Amz-Signature" in url  # SigV4, not SigV2
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.read() == b"model bytes"
+    assert FileStore(tmp_path / "fs").presigned_url(key) is None
+
+
+def test_s3_with_wrong_credentials_is_refused(s3_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    store = S3Store(s3_server.bucket, "auth", endpoint_url=s3_server.endpoint)
+    src = tmp_path / "m"
+    src.write_bytes(b"x")
+    with pytest.raises(Exception, match="(?i)denied|signature|forbidden|403"):
+        store.put_file(input_key("default", SHA), src)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: input_key("Default", SHA),          # upper case tenant
+    lambda: input_key("../x", SHA),
+    lambda: input_key("default", "abc"),        # not a sha256
+    lambda: artifact_key("default", "../../etc", "model.onnx"),
+    lambda: artifact_key("default", JOB, "../model.onnx"),
+    lambda: artifact_key("default", JOB, "/abs"),
+    lambda: artifact_key("default", JOB, ".hidden"),
+    lambda: artifact_key("default", JOB, "a//b"),
+    lambda: artifact_key("default", JOB, "a/b/c/d/e"),
+])
+def test_key_builders_reject_anything_not_an_id(bad):
+    with pytest.raises(InvalidKey):
+        bad()
+
+
+def test_key_layout():
+    assert input_key("default", SHA) == f"default/inputs/{SHA}"
+    assert artifact_key("team-a", JOB, "fx_source/module.py") == f"team-a/jobs/{JOB}/fx_source/module.py"
+
+
+def test_delete_prefix_refuses_broad_prefixes(tmp_path):
+    store = FileStore(tmp_path / "s")
+    for prefix in ("", "default", "default/"):
+        with pytest.raises(InvalidKey):
+            store.delete_prefix(prefix)
+
+
+def test_open_store_urls(tmp_path):
+    fs = open_store(f"file://{tmp_path}/a")
+    assert isinstance(fs, FileStore) and fs.root == (tmp_path / "a").resolve()
+    s3 = open_store("s3://bucket/some/prefix")
+    assert isinstance(s3, S3Store) and s3.bucket == "bucket" and s3.prefix == "some/prefix/"
+    with pytest.raises(Exception, match="s3://BUCKET"):
+        open_store("ftp://x")

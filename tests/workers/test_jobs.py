@@ -1,0 +1,237 @@
+"""The job function (workers/jobs.py) against a real FileStore + SQLite job store.
+
+The engine is replaced by small functions honouring its contract (files in out_dir,
+progress callbacks, manifest returned / FxportError raised), so each test pins one piece of
+bookkeeping; the real sandboxed engine runs in tests/service/test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fxport.config import Settings
+from fxport.errors import VerificationFailed
+from fxport.jobs import InputRef, JobRecord, JobState, SqliteJobStore, new_job_id
+from fxport.spec import parse_spec
+from fxport.storage import FileStore, input_key, job_prefix
+from fxport.workers.jobs import WorkerContext, execute_job, execute_stage, kill_sandboxes_of
+
+MODEL = b"pretend this is a .pt2"
+
+
+@pytest.fixture()
+def ctx(tmp_path):
+    store = FileStore(tmp_path / "store")
+    jobs = SqliteJobStore(tmp_path / "jobs.db")
+    c = WorkerContext(jobs=jobs, artifacts=store, settings=Settings(home=tmp_path, work_dir=tmp_path / "work"),
+                      worker_id="test-worker")
+    yield c
+    jobs.close()
+
+
+def make_job(ctx: WorkerContext, spec: dict | None = None, **kw) -> JobRecord:
+    sha = hashlib.sha256(MODEL).hexdigest()
+    key = input_key("default", sha)
+    src = ctx.settings.home / "model.pt2"
+    src.write_bytes(MODEL)
+    ctx.artifacts.put_file(key, src)
+    parsed = parse_spec(spec or {"targets": ["onnx", "torchscript", "fx_source"]})
+    rec, _ = ctx.jobs.create(JobRecord(id=new_job_id(), tenant="default", spec=parsed.normalized(),
+                                       spec_digest=parsed.digest(),
+                                       model=InputRef(sha256=sha, bytes=len(MODEL), filename="m.pt2", key=key), **kw))
+    return rec
+
+
+def write_outputs(out_dir: Path, names=("model.onnx", "model.ts", "fx_source/module.py")) -> dict:
+    arts = []
+    for name in names:
+        p = out_dir / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(f"contents of {name}".encode())
+        fmt = {"model.onnx": "onnx", "model.ts": "torchscript"}.get(name, "fx_source")
+        arts.append({"format": fmt, "path": name, "bytes": p.stat().st_size,
+                     "sha256": hashlib.sha256(p.read_bytes()).hexdigest()})
+    manifest = {"artifacts": arts, "verification": [{"format": "onnx", "passed": True}]}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def ok_engine(calls: list):
+    def engine(model_path, spec, out_dir, *, job_id, calibration_path=None, on_progress=None, timeout_s=None):
+        calls.append({"model": Path(model_path).read_bytes(), "targets": list(spec.targets), "job_id": job_id})
+        for stage in ("load", "capture", "passes", "export", "verify"):
+            on_progress({"stage": stage, "progress": 0.0, "message": ""})
+            on_progress({"stage": stage, "progress": 1.0, "message": "done"})
+        return write_outputs(out_dir)
+    return engine
+
+
+def test_success_uploads_every_file_under_deterministic_keys(ctx):
+    rec = make_job(ctx)
+    calls: list = []
+    ctx.engine = ok_engine(calls)
+    done = execute_job(rec.id, ctx)
+    assert calls == [{"model": MODEL, "targets": ["onnx", "torchscript", "fx_source"], "job_id": rec.id}]
+    assert done.state is JobState.SUCCEEDED and done.worker == "test-worker" and done.attempts == 1
+    by_name = {a.name: a for a in done.artifacts}
+    assert set(by_name) == {"model.onnx", "model.ts", "fx_source/module.py", "manifest.json"}
+    assert by_name["model.onnx"].format == "onnx" and by_name["manifest.json"].format == "manifest"
+    for name, art in by_name.items():
+        assert art.key == f"default/jobs/{rec.id}/{name}"
+        assert ctx.artifacts.head(art.key).sha256 == art.sha256
+    stages = [e.stage for e in ctx.jobs.read_events(rec.id) if e.state is JobState.RUNNING]
+    assert stages[0] == "load" and "verify" in stages and stages[-1] == "upload"
+    assert not list((ctx.settings.work_dir).iterdir())  # the temp dir is gone
+
+
+def test_verification_failure_records_stage_and_keeps_the_manifest(ctx):
+    rec = make_job(ctx)
+
+    def engine(model_path, spec, out_dir, **kw):
+        write_outputs(out_dir)
+        raise VerificationFailed("onnx output differs: max |Δ| 0.3 > atol 1e-4", stage="verify")
+
+    ctx.engine = engine
+    done = execute_job(rec.id, ctx)
+    assert done.state is JobState.FAILED
+    assert (done.error.stage, done.error.code) == ("verify", "verification_failed")
+    assert "max |Δ| 0.3" in done.error.message
+    # The report of what differed is published; the artifacts that failed are not.
+    assert [a.name for a in done.artifacts] == ["manifest.json"]
+    assert ctx.artifacts.exists(done.artifacts[0].key)
+
+
+def test_unexpected_exception_fails_the_job_naming_the_stage(ctx):
+    rec = make_job(ctx)
+
+    def engine(model_path, spec, out_dir, *, on_progress, **kw):
+        on_progress({"stage": "capture", "progress": 0.1, "message": ""})
+        raise RuntimeError("boom")
+
+    ctx.engine = engine
+    done = execute_job(rec.id, ctx)
+    assert done.state is JobState.FAILED and done.error.stage == "capture" and done.error.code == "internal"
+    assert "RuntimeError: boom" in done.error.message and "Traceback" in done.error.detail
+
+
+def test_replayed_task_on_a_finished_job_does_nothing(ctx):
+    rec = make_job(ctx)
+    calls: list = []
+    ctx.engine = ok_engine(calls)
+    first = execute_job(rec.id, ctx)
+    again = execute_job(rec.id, ctx)  # at-least-once delivery: the same message again
+    assert len(calls) == 1 and again == first
+
+
+def test_redelivery_starts_from_a_clean_prefix(ctx):
+    rec = make_job(ctx)
+    # A first attempt died mid-upload: RUNNING, attempt 1, a stray file under the job's prefix.
+    ctx.jobs.transition(rec.id, state=JobState.RUNNING, new_attempt=True, stage="upload")
+    stray = ctx.settings.home / "stray"
+    stray.write_bytes(b"half")
+    ctx.artifacts.put_file(f"default/jobs/{rec.id}/model.engine", stray)
+    ctx.engine = ok_engine([])
+    done = execute_job(rec.id, ctx)
+    assert done.state is JobState.SUCCEEDED and done.attempts == 2
+    keys = {o.key for o in ctx.artifacts.list_prefix(job_prefix("default", rec.id))}
+    assert f"default/jobs/{rec.id}/model.engine" not in keys and keys == {a.key for a in done.artifacts}
+
+
+def test_a_job_that_keeps_killing_its_worker_fails(ctx):
+    rec = make_job(ctx)
+    for _ in range(3):
+        ctx.jobs.transition(rec.id, state=JobState.RUNNING, new_attempt=True, stage="export")
+    ctx.engine = ok_engine(calls := [])
+    done = execute_job(rec.id, ctx)
+    assert done.state is JobState.FAILED and done.error.code == "worker_lost" and not calls
+
+
+def test_cancel_while_running_leaves_no_artifacts(ctx):
+    rec = make_job(ctx)
+    started = threading.Event()
+
+    def engine(model_path, spec, out_dir, *, cancel_event, on_progress, **kw):
+        write_outputs(out_dir)
+        on_progress({"stage": "export", "progress": 0.5, "message": ""})
+        started.set()
+        assert cancel_event.wait(10), "the cancel watch never fired"
+        raise RuntimeError("sandbox killed")
+
+    ctx.engine = engine
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(execute_job(rec.id, ctx)))
+    worker.start()
+    assert started.wait(10)
+    ctx.jobs.transition(rec.id, state=JobState.CANCELLED)  # what CancelJob does
+    worker.join(15)
+    assert result and result[0].state is JobState.CANCELLED and result[0].error is None
+    assert ctx.artifacts.list_prefix(job_prefix("default", rec.id)) == []
+
+
+def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
+    rec = make_job(ctx, {"targets": ["torchscript", "tensorrt"]})
+    handed: list = []
+    ctx.enqueue_stage = lambda stage, job_id: handed.append((stage, job_id))
+    calls: list = []
+    ctx.engine = ok_engine(calls)
+    after = execute_job(rec.id, ctx)
+    # The CPU part made the ONNX the engine build needs, and stopped short of SUCCEEDED.
+    assert calls[0]["targets"] == ["torchscript", "onnx"]
+    assert handed == [("tensorrt", rec.id)]
+    assert after.state is JobState.RUNNING and after.stage == "tensorrt"
+
+    def trt_engine(model_path, spec, out_dir, **kw):
+        assert Path(model_path).read_bytes() == b"contents of model.onnx" and spec.targets == ["tensorrt"]
+        p = out_dir / "model.engine"
+        p.write_bytes(b"engine")
+        art = {"format": "tensorrt", "path": "model.engine", "bytes": 6, "sha256": hashlib.sha256(b"engine").hexdigest()}
+        manifest = {"artifacts": [art], "verification": [{"format": "tensorrt", "passed": True}],
+                    "toolchain": {"tensorrt": "10.0"}, "timings_s": {"build": 1.0}}
+        (out_dir / "manifest.json").write_text(json.dumps(manifest))
+        return manifest
+
+    ctx.engine = trt_engine
+    done = execute_stage("tensorrt", rec.id, ctx)
+    assert done.state is JobState.SUCCEEDED
+    names = {a.name for a in done.artifacts}
+    assert {"model.engine", "model.onnx", "model.ts", "manifest.json"} <= names
+    merged_path = ctx.settings.home / "merged.json"
+    ctx.artifacts.get(f"default/jobs/{rec.id}/manifest.json", merged_path)
+    merged = json.loads(merged_path.read_text())
+    assert {a["format"] for a in merged["artifacts"]} >= {"onnx", "tensorrt"}
+    assert merged["toolchain"]["tensorrt"] == "10.0"
+
+
+def test_kill_sandboxes_of_kills_only_that_jobs_sandbox(tmp_path):
+    procs = {}
+    for job in ("job-a", "job-b"):
+        req = tmp_path / job / "request.json"
+        req.parent.mkdir()
+        req.write_text(json.dumps({"job_id": job}))
+        # Like a sandbox: its own session, its work folder (with request.json) as cwd, and
+        # (as a warm sandbox is) a grandchild rather than a child of this process.
+        procs[job] = subprocess.Popen(
+            [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+             "'import time; time.sleep(60)'], start_new_session=True); time.sleep(60)"],
+            cwd=req.parent)
+    try:
+        time.sleep(0.5)
+        # Each launcher and its grandchild share the cwd: both match, the other job's don't.
+        assert kill_sandboxes_of("job-a") == 2
+        assert procs["job-a"].wait(5) < 0
+        assert procs["job-b"].poll() is None
+        assert kill_sandboxes_of("job-c") == 0
+    finally:
+        kill_sandboxes_of("job-a")
+        kill_sandboxes_of("job-b")  # the launchers and their grandchildren
+        for p in procs.values():
+            p.kill()
+            p.wait()

@@ -1,0 +1,98 @@
+"""Verification tolerances per precision, and the comparison an fp16 or int8 artifact is judged by.
+
+fp32 artifacts: spec.verify as written (allclose and cosine). Reduced precision changes the
+numbers by design, so the defaults differ — a value the user set in spec.verify always wins:
+- fp16: allclose with atol 2e-2 / rtol 1e-2 (fp16 keeps ~3 significant digits), cosine >= 0.999.
+- int8: no absolute diff at all (it is reported, not judged): cosine >= 0.98, or the
+  spec's quantization.target_cosine when set; and top-1 agreement >= 0.8 on outputs shaped
+  [batch, classes], the argmax a classifier's user sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fxport.spec import JobSpec, VerifyOptions
+from fxport.workers.engine.verify.comparator import compare_outputs
+
+FP16_ATOL, FP16_RTOL, FP16_MIN_COSINE = 2e-2, 1e-2, 0.999
+INT8_MIN_COSINE, INT8_MIN_TOP1 = 0.98, 0.8
+
+
+@dataclass
+class Tolerances:
+    precision: str
+    options: VerifyOptions  # atol / rtol / min_cosine in effect
+    min_top1: float | None = None  # int8 only
+    judge_abs_diff: bool = True
+
+    def describe(self) -> str:
+        if self.precision == "int8":
+            top = f", top-1 agreement >= {self.min_top1}" if self.min_top1 is not None else ""
+            return f"int8: cosine >= {self.options.min_cosine}{top}"
+        return (f"{self.precision}: atol={self.options.atol}, rtol={self.options.rtol}, "
+                f"min_cosine={self.options.min_cosine}")
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"precision": self.precision, "min_cosine": self.options.min_cosine}
+        if self.judge_abs_diff:
+            out.update(atol=self.options.atol, rtol=self.options.rtol)
+        if self.min_top1 is not None:
+            out["min_top1_agreement"] = self.min_top1
+        return out
+
+
+def tolerances_for(spec: JobSpec) -> Tolerances:
+    given = spec.verify.model_fields_set  # what the user wrote; the rest are fp32 defaults
+    opts = spec.verify.model_copy()
+    if spec.precision == "fp16":
+        if "atol" not in given:
+            opts.atol = FP16_ATOL
+        if "rtol" not in given:
+            opts.rtol = FP16_RTOL
+        if "min_cosine" not in given:
+            opts.min_cosine = FP16_MIN_COSINE
+        return Tolerances("fp16", opts)
+    if spec.precision == "int8":
+        target = spec.quantization.target_cosine
+        if target is not None:
+            opts.min_cosine = target
+        elif "min_cosine" not in given:
+            opts.min_cosine = INT8_MIN_COSINE
+        return Tolerances("int8", opts, min_top1=INT8_MIN_TOP1, judge_abs_diff=False)
+    return Tolerances("fp32", opts)
+
+
+class PrecisionComparison:
+    """Per-sample metrics for `verify_artifacts(compare=..., finish=...)` under a precision's tolerances."""
+
+    def __init__(self, tol: Tolerances) -> None:
+        self.tol = tol
+
+    def __call__(self, ref: list[np.ndarray], got: list[np.ndarray], opts: VerifyOptions) -> dict[str, Any]:
+        m = compare_outputs(ref, got, self.tol.options)
+        if "error" in m:
+            return m
+        if not self.tol.judge_abs_diff:
+            m["passed"] = m["cosine"] >= self.tol.options.min_cosine
+        same = rows = 0
+        for a, b in zip(ref, got):
+            if a.ndim == 2 and a.shape[-1] >= 2 and np.issubdtype(a.dtype, np.floating):
+                same += int((a.argmax(-1) == b.argmax(-1)).sum())
+                rows += int(a.shape[0])
+        m["top1_same"], m["top1_rows"] = same, rows
+        return m
+
+    def finish(self, record: dict[str, Any]) -> None:
+        """Aggregate top-1 agreement over all samples, then judge it (a per-sample top-1 of a batch of 1 is 0 or 1)."""
+        rows = record.pop("top1_rows", 0)
+        same = record.pop("top1_same", 0)
+        record["tolerances"] = self.tol.as_dict()
+        if rows:
+            record["top1_agreement"] = same / rows
+            if self.tol.min_top1 is not None and record["top1_agreement"] < self.tol.min_top1:
+                record["passed"] = False
+                record.setdefault("error", f"top-1 agreement {record['top1_agreement']:.3f} < {self.tol.min_top1}")
