@@ -9,6 +9,12 @@
 Uploads stream in 1 MiB chunks; a model the server already holds (same sha256) is not sent
 again. `Job.wait` follows WatchJob and, when the connection drops, resumes from the last
 event it saw.
+
+UNAVAILABLE is retried with exponential backoff: for up to `retry_s` when the server says a
+backend of its own (Redis, the object store) is down, briefly when the server itself cannot
+be reached. Only calls that are safe to repeat are retried: reads, cancel, and a submit,
+which always carries an idempotency key (one is made up when the caller gives none), so a
+submit whose response was lost cannot create a second job.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, Mapping
@@ -276,11 +284,17 @@ class Client:
     `token` is sent as `authorization: Bearer <token>` on every call.
     """
 
+    # Nothing answers at all (wrong address, server restarting): retry only this long, so a
+    # mistyped --server fails fast; a server reporting its backend down gets `retry_s`.
+    UNREACHABLE_RETRY_S = 2.0
+
     def __init__(self, target: str = DEFAULT_SERVER, token: str | None = None, tls: Any = None, *,
-                 timeout: float = 30.0, reconnect_s: float = 60.0, chunk_size: int = CHUNK) -> None:
+                 timeout: float = 30.0, reconnect_s: float = 60.0, chunk_size: int = CHUNK,
+                 retry_s: float = 30.0) -> None:
         self.target = target
         self.timeout = timeout
         self.reconnect_s = reconnect_s
+        self.retry_s = retry_s
         self.chunk_size = chunk_size
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)]
         if tls:
@@ -305,9 +319,26 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
+    def _retrying(self, attempt: Callable[[], Any]) -> Any:
+        """`attempt()` again with backoff while it fails UNAVAILABLE and the budget lasts.
+        Only for calls that are safe to repeat."""
+        started, delay = time.monotonic(), 0.2
+        while True:
+            try:
+                return attempt()
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                backend_down = ("fxport-retry", "backend") in tuple(err.trailing_metadata() or ())
+                budget = self.retry_s if backend_down else min(self.retry_s, self.UNREACHABLE_RETRY_S)
+                if time.monotonic() - started + delay > budget:
+                    raise
+                time.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, 5.0)
+
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:
-            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            return self._retrying(lambda: method(request, timeout=timeout or self.timeout, metadata=self._metadata))
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.target) from None
 
@@ -329,7 +360,8 @@ class Client:
         """Upload a model (+ optional calibration data) with a spec; returns the QUEUED job.
 
         `spec`: a mapping, a JobSpec, YAML/JSON text, or a Path to a spec file. A model the
-        server already holds is not uploaded again (CheckUpload)."""
+        server already holds is not uploaded again (CheckUpload). Without `idempotency_key`
+        one is generated, so that retrying after a lost response returns the same job."""
         model = Path(model_path)
         if not model.is_file():
             raise InvalidInput(f"model file {str(model)!r} not found", field="model")
@@ -346,7 +378,7 @@ class Client:
             raise TooLarge(f"{big} is {max(model_size, calib_size)} bytes; the server accepts at most "
                            f"{check.max_upload_bytes} bytes")
         header = pb.SubmitHeader(
-            spec=text, idempotency_key=idempotency_key or "",
+            spec=text, idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}",
             model=pb.FileHeader(filename=model.name, size=model_size, sha256=model_sha, stored=check.model_present),
         )
         if calib is not None:
@@ -371,7 +403,8 @@ class Client:
                 yield from chunks(calib, calib_sha, "calibration_chunk")
 
         try:
-            msg = self._stub.SubmitJob(requests(), metadata=self._metadata)
+            # A fresh request stream per try; the idempotency key makes a repeat harmless.
+            msg = self._retrying(lambda: self._stub.SubmitJob(requests(), metadata=self._metadata))
         except grpc.RpcError as err:
             if changed:
                 raise InvalidInput(f"{changed[0]} changed while it was being uploaded; submit again") from None

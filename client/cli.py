@@ -139,6 +139,8 @@ def _job_summary(job: Job, out: Path | None, console: Console) -> None:
         console.print(table)
     if out is not None and job.artifacts:
         console.print(f"artifacts in {out}/ (sha256 verified)")
+        if (out / "report.html").is_file():
+            console.print(f"report: {out / 'report.html'}")
 
 
 def _finish(job: Job, *, out: Optional[Path], as_json: bool) -> int:
@@ -383,7 +385,7 @@ def serve(
         tmp.write_text(server.address)
         os.replace(tmp, ready_file)
     stop.wait()
-    server.stop(grace=5)
+    server.stop()  # grace: FXPORT_SHUTDOWN_GRACE_S
     raise typer.Exit(EXIT_OK)
 
 

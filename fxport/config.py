@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -54,6 +54,42 @@ class Settings(BaseSettings):
     max_jobs_in_flight: int = Field(100, ge=1, description="Jobs one tenant may have QUEUED or RUNNING at once.")
     max_job_memory_mb: int = Field(16384, ge=256, description="Ceiling on a job's spec.limits.memory_mb (sandbox address space).")
     max_job_timeout_s: int = Field(1800, ge=10, description="Ceiling on a job's spec.limits.timeout_s (sandbox wall clock).")
+    # Reliability (deploy/README.md, "Reliability"). A dead worker's job is redelivered within
+    # about visibility_timeout_s + unacked_restore_interval_s; a live worker keeps its job's
+    # message invisible and holds a job lease, so no second worker starts it meanwhile.
+    visibility_timeout_s: int = Field(
+        120, ge=2, description="Redis visibility timeout: a message un-acked this long by a worker that stopped "
+        "renewing it (dead) goes back to the queue. Running jobs renew theirs, so it need not exceed the time limits.")
+    unacked_restore_interval_s: float = Field(
+        15.0, gt=0, description="How often each worker scans Redis for messages past the visibility timeout.")
+    job_lease_s: int = Field(
+        60, ge=1, description="Lease a worker holds on a running job, renewed every job_lease_s/4; a redelivered job "
+        "whose lease is still held by a live worker waits instead of starting a duplicate.")
+    orphan_sweep_interval_s: float = Field(
+        60.0, ge=0, description="How often the API server requeues (or, after 3 attempts, fails) RUNNING jobs whose "
+        "worker lease is gone and that no redelivery picked up; 0 = never.")
+    store_retry_s: float = Field(
+        60.0, gt=0, description="Retry budget of each object store operation (backoff up to 5 s between tries); "
+        "past it the job FAILS naming the endpoint.")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM the API turns NOT_SERVING and gives in-flight calls this long to finish.")
+    worker_soft_shutdown_s: float = Field(
+        540.0, ge=0, description="Celery worker_soft_shutdown_timeout: on SIGTERM (remapped to SIGQUIT) the running "
+        "job gets this long to finish before it is cut and requeued; keep it under the pod's grace period.")
+
+    @model_validator(mode="after")
+    def _lease_expires_before_redelivery(self) -> "Settings":
+        # A redelivered job must find a dead worker's lease already expired, or it waits once more.
+        if self.job_lease_s >= self.visibility_timeout_s:
+            raise ValueError(f"job_lease_s ({self.job_lease_s}) must be shorter than visibility_timeout_s "
+                             f"({self.visibility_timeout_s}): a dead worker's lease has to expire before "
+                             "Redis redelivers its job")
+        return self
+
+    @property
+    def redelivery_bound_s(self) -> float:
+        """Longest wait, after a worker dies, before its job is back on the queue."""
+        return self.visibility_timeout_s + self.unacked_restore_interval_s
 
     @property
     def embedded(self) -> bool:

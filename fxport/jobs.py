@@ -28,9 +28,10 @@ import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from pydantic import BaseModel, Field
 
@@ -121,6 +122,10 @@ class JobEvent(BaseModel):
     stage: str | None = None
     progress: float = 0.0
     message: str = ""
+    # Which delivery of the job wrote this event: a job's events show each attempt's start
+    # and its end, and never one attempt's events after the next attempt started.
+    attempt: int = 0
+    worker: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -168,6 +173,8 @@ def apply_update(
     new_attempt: bool = False,
     task_id: str | None = None,
     cache_hit: bool | None = None,
+    expect_attempt: int | None = None,
+    expect_state: JobState | None = None,
     now: float | None = None,
 ) -> JobRecord | None:
     """The job state machine. Returns the updated copy, or None if the update is refused.
@@ -176,8 +183,16 @@ def apply_update(
     RUNNING → QUEUED (requeued after a restart); RUNNING → RUNNING (a redelivered task).
     A terminal record never changes again: a replayed or late update is refused, which is
     what makes at-least-once task delivery harmless.
+
+    `expect_attempt` fences a worker: its updates apply only while the record is still on
+    its attempt, so a worker that lost its job to a newer attempt can no longer write.
+    `expect_state`: apply only if the record is in that state (compare-and-set).
     """
     if record.terminal:
+        return None
+    if expect_attempt is not None and record.attempts != expect_attempt:
+        return None
+    if expect_state is not None and record.state is not expect_state:
         return None
     allowed = {
         JobState.QUEUED: {JobState.QUEUED, JobState.RUNNING, *TERMINAL_STATES},
@@ -228,7 +243,7 @@ def apply_update(
 def event_for(rec: JobRecord, seq: int) -> JobEvent:
     return JobEvent(
         seq=seq, job_id=rec.id, time=rec.updated_at, state=rec.state, stage=rec.stage,
-        progress=rec.progress, message=rec.message,
+        progress=rec.progress, message=rec.message, attempt=rec.attempts, worker=rec.worker,
     )
 
 
@@ -288,6 +303,39 @@ class JobStore(ABC):
     @abstractmethod
     def ids_in_states(self, states: Iterable[JobState]) -> list[str]:
         """Every job id (all tenants) in one of `states`; for recovery after a restart."""
+
+    def running_ids(self) -> list[str]:
+        """Ids of RUNNING jobs (the orphan sweeper's candidates)."""
+        return self.ids_in_states([JobState.RUNNING])
+
+    # -- job leases (DESIGN.md §7): at most one live worker runs a job -----------------------
+    # A worker takes the lease before it starts a job and renews it while the job runs; a
+    # redelivered copy of the job finds it held and waits. The lease expires on its own when
+    # the worker dies; each renewal also stamps a heartbeat, for the orphan sweeper.
+
+    @abstractmethod
+    def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
+        """Take the job's lease for `ttl_s` seconds. None when taken (or already ours);
+        otherwise the holder's name."""
+
+    @abstractmethod
+    def renew_lease(self, job_id: str, owner: str, ttl_s: float) -> bool:
+        """Extend our lease and stamp the heartbeat; False if we no longer hold it."""
+
+    @abstractmethod
+    def release_lease(self, job_id: str, owner: str) -> bool:
+        """Drop the lease if `owner` holds it (so a dead holder's lease can be broken too)."""
+
+    @abstractmethod
+    def lease_holder(self, job_id: str) -> str | None: ...
+
+    @abstractmethod
+    def last_heartbeat(self, job_id: str) -> float | None:
+        """Store-clock seconds of the job's last lease renewal, if any."""
+
+    def clock(self) -> float:
+        """Now, on the clock heartbeats are stamped with (the store's, not this host's)."""
+        return time.time()
 
     def close(self) -> None:
         pass
@@ -357,23 +405,68 @@ return ARGV[1]
 """
 
 
+_ACQUIRE_LEASE_LUA = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return holder end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local t = redis.call('TIME')
+redis.call('SET', KEYS[2], t[1] .. '.' .. string.format('%06d', t[2]), 'EX', ARGV[3])
+return false
+"""
+
+_RENEW_LEASE_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local t = redis.call('TIME')
+redis.call('SET', KEYS[2], t[1] .. '.' .. string.format('%06d', t[2]), 'EX', ARGV[3])
+return 1
+"""
+
+_RELEASE_LEASE_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+
 class RedisJobStore(JobStore):
     EVENTS_MAXLEN = 10_000
+    HEARTBEAT_KEEP_S = 7 * 24 * 3600
 
-    def __init__(self, url: str, *, namespace: str = "fxport") -> None:
+    def __init__(self, url: str, *, namespace: str = "fxport", retry_s: float = 0.0) -> None:
+        """`retry_s`: how long a command keeps retrying (backoff up to 1 s) while Redis is
+        unreachable or still replaying its AOF. Workers ride out a broker restart this way;
+        the API keeps it short and answers UNAVAILABLE instead (service/unavailable.py)."""
         import redis
+        from redis.backoff import ExponentialWithJitterBackoff
+        from redis.retry import Retry
 
         self._redis_mod = redis
         self.url = url
         self.ns = namespace
+        retries = 0 if retry_s <= 0 else max(1, int(retry_s / 0.8))  # ≈ seconds at a 1 s cap, with the ramp
         self.r = redis.Redis.from_url(
             url, decode_responses=True, health_check_interval=30, socket_keepalive=True,
-            retry_on_timeout=True,
+            retry_on_timeout=True, socket_connect_timeout=5,
+            retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.1), retries,
+                        supported_errors=(redis.ConnectionError, redis.TimeoutError, TimeoutError)),
         )
         self._create = self.r.register_script(_CREATE_LUA)
+        self._acquire = self.r.register_script(_ACQUIRE_LEASE_LUA)
+        self._renew = self.r.register_script(_RENEW_LEASE_LUA)
+        self._release = self.r.register_script(_RELEASE_LEASE_LUA)
 
     def _job(self, job_id: str) -> str:
         return f"{self.ns}:job:{job_id}"
+
+    # Outside the `{ns}:job:*` pattern that ids_in_states scans.
+    def _lease(self, job_id: str) -> str:
+        return f"{self.ns}:lease:{job_id}"
+
+    def _heartbeat(self, job_id: str) -> str:
+        return f"{self.ns}:heartbeat:{job_id}"
+
+    def _running(self) -> str:
+        return f"{self.ns}:running"
 
     def _events(self, job_id: str) -> str:
         return f"{self.ns}:job:{job_id}:events"
@@ -432,6 +525,10 @@ class RedisJobStore(JobStore):
                                             "seq": new.last_seq})
                     pipe.xadd(self._events(job_id), {"e": event_for(new, new.last_seq).model_dump_json()},
                               id=f"0-{new.last_seq}", maxlen=self.EVENTS_MAXLEN, approximate=True)
+                    if new.state is JobState.RUNNING:
+                        pipe.sadd(self._running(), job_id)
+                    elif rec.state is JobState.RUNNING:
+                        pipe.srem(self._running(), job_id)
                     pipe.execute()
                     return new, True
                 except self._redis_mod.WatchError:
@@ -460,6 +557,33 @@ class RedisJobStore(JobStore):
                 out.append(key.rsplit(":", 1)[1])
         return out
 
+    def running_ids(self) -> list[str]:
+        # An index kept by `transition`, so a sweep does not scan every job ever run.
+        return sorted(self.r.smembers(self._running()))
+
+    def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
+        holder = self._acquire(keys=[self._lease(job_id), self._heartbeat(job_id)],
+                               args=[owner, max(1, int(ttl_s * 1000)), self.HEARTBEAT_KEEP_S])
+        return holder or None
+
+    def renew_lease(self, job_id: str, owner: str, ttl_s: float) -> bool:
+        return bool(self._renew(keys=[self._lease(job_id), self._heartbeat(job_id)],
+                                args=[owner, max(1, int(ttl_s * 1000)), self.HEARTBEAT_KEEP_S]))
+
+    def release_lease(self, job_id: str, owner: str) -> bool:
+        return bool(self._release(keys=[self._lease(job_id)], args=[owner]))
+
+    def lease_holder(self, job_id: str) -> str | None:
+        return self.r.get(self._lease(job_id))
+
+    def last_heartbeat(self, job_id: str) -> float | None:
+        raw = self.r.get(self._heartbeat(job_id))
+        return float(raw) if raw else None
+
+    def clock(self) -> float:
+        sec, usec = self.r.time()
+        return sec + usec / 1e6
+
     def close(self) -> None:
         self.r.close()
 
@@ -476,6 +600,8 @@ CREATE TABLE IF NOT EXISTS events (
   job_id TEXT NOT NULL, seq INTEGER NOT NULL, data TEXT NOT NULL, PRIMARY KEY (job_id, seq));
 CREATE TABLE IF NOT EXISTS idempotency (
   tenant TEXT NOT NULL, key_sha256 TEXT NOT NULL, job_id TEXT NOT NULL, PRIMARY KEY (tenant, key_sha256));
+CREATE TABLE IF NOT EXISTS leases (
+  job_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_at REAL NOT NULL, heartbeat_at REAL NOT NULL);
 """
 
 
@@ -573,6 +699,39 @@ class SqliteJobStore(JobStore):
             ).fetchall()
         return [r[0] for r in rows]
 
+    def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT owner, expires_at FROM leases WHERE job_id=?", (job_id,)).fetchone()
+            if row and row[0] != owner and row[1] > now:
+                return row[0]
+            db.execute("INSERT OR REPLACE INTO leases VALUES (?,?,?,?)", (job_id, owner, now + ttl_s, now))
+        return None
+
+    def renew_lease(self, job_id: str, owner: str, ttl_s: float) -> bool:
+        now = time.time()
+        with self._tx() as db:
+            cur = db.execute("UPDATE leases SET expires_at=?, heartbeat_at=? WHERE job_id=? AND owner=? "
+                             "AND expires_at>?", (now + ttl_s, now, job_id, owner, now))
+            return cur.rowcount == 1
+
+    def release_lease(self, job_id: str, owner: str) -> bool:
+        with self._tx() as db:
+            # The heartbeat stays (as an expired row) for the sweeper.
+            cur = db.execute("UPDATE leases SET expires_at=0 WHERE job_id=? AND owner=?", (job_id, owner))
+            return cur.rowcount == 1
+
+    def lease_holder(self, job_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT owner FROM leases WHERE job_id=? AND expires_at>?",
+                                   (job_id, time.time())).fetchone()
+        return row[0] if row else None
+
+    def last_heartbeat(self, job_id: str) -> float | None:
+        with self._lock:
+            row = self._db.execute("SELECT heartbeat_at FROM leases WHERE job_id=?", (job_id,)).fetchone()
+        return row[0] if row else None
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -598,10 +757,79 @@ class _SqliteTx:
             self.store._lock.release()
 
 
-def open_job_store(url: str | None, home: Path) -> JobStore:
-    """`redis://…` → RedisJobStore; None → SQLite under `home`; `sqlite:///path` → that file."""
+# ---------------------------------------------------------------------------------------
+# Orphans
+# ---------------------------------------------------------------------------------------
+
+MAX_ATTEMPTS = 3  # a job that loses its worker this many times fails instead of looping
+SWEEPER_LEASE = "orphan-sweeper"  # one sweep at a time across API replicas
+
+
+@dataclass
+class SweepResult:
+    requeued: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+def sweep_orphans(
+    store: JobStore,
+    requeue: Callable[[str], Any],
+    *,
+    orphan_after_s: float,
+    max_attempts: int = MAX_ATTEMPTS,
+    owner: str = "sweeper",
+) -> SweepResult:
+    """Find RUNNING jobs whose worker is gone and that no redelivery picked up; requeue them.
+
+    An orphan: no worker holds its lease, and neither a lease renewal nor any update has
+    touched it for `orphan_after_s` (longer than a redelivery takes, so the broker had its
+    chance: a job lost with its message, or a message lost in a broker crash). Requeued
+    (RUNNING → QUEUED, then `requeue(job_id)`): it reruns from the start, which is safe
+    because tasks are idempotent and a duplicate message finds the lease or a finished job.
+    A job that already used `max_attempts` is FAILED instead (code `worker_lost`).
+
+    Skipped: jobs handed to the `tensorrt` stage (they wait in queue "gpu" holding no lease,
+    for as long as no GPU worker runs). Transitions are compare-and-set on (state, attempt),
+    so a worker that resumes meanwhile, or a second sweeper, wins cleanly.
+    """
+    result = SweepResult()
+    if store.acquire_lease(SWEEPER_LEASE, owner, max(1.0, orphan_after_s / 2)) is not None:
+        return result  # another replica is sweeping
+    try:
+        now = store.clock()
+        for job_id in store.running_ids():
+            rec = store.get(job_id)
+            if rec is None or rec.state is not JobState.RUNNING or rec.stage == "tensorrt":
+                continue
+            if store.lease_holder(job_id) is not None:
+                continue
+            last = max(rec.updated_at, store.last_heartbeat(job_id) or 0.0)
+            if now - last < orphan_after_s:
+                continue
+            gone = f"its worker {rec.worker or '?'} stopped (no heartbeat for {now - last:.0f} s) and no redelivery picked it up"
+            if rec.attempts >= max_attempts:
+                error = JobErrorInfo(stage=rec.stage, code="worker_lost",
+                                     message=f"{gone}; it already ran {rec.attempts} times, so it is not requeued")
+                _, changed = store.transition(job_id, state=JobState.FAILED, error=error, message=error.message,
+                                              expect_state=JobState.RUNNING, expect_attempt=rec.attempts)
+                if changed:
+                    result.failed.append(job_id)
+                continue
+            _, changed = store.transition(job_id, state=JobState.QUEUED, stage=None, message=f"requeued: {gone}",
+                                          expect_state=JobState.RUNNING, expect_attempt=rec.attempts)
+            if changed:
+                requeue(job_id)
+                result.requeued.append(job_id)
+    finally:
+        store.release_lease(SWEEPER_LEASE, owner)
+    return result
+
+
+def open_job_store(url: str | None, home: Path, *, retry_s: float = 0.0) -> JobStore:
+    """`redis://…` → RedisJobStore; None → SQLite under `home`; `sqlite:///path` → that file.
+    `retry_s`: RedisJobStore's retry budget for an unreachable Redis."""
     if url and url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisJobStore(url)
+        return RedisJobStore(url, retry_s=retry_s)
     if url and url.startswith("sqlite:///"):
         return SqliteJobStore(Path(url[len("sqlite:///") - 1 :]))
     if url:

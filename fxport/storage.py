@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import tempfile
@@ -49,6 +50,12 @@ class StorageError(FxportError):
 
 class ObjectNotFound(StorageError):
     code = "not_found"
+
+
+class StoreUnreachable(StorageError):
+    """The object store did not answer within the retry budget."""
+
+    code = "store_unreachable"
 
 
 class IntegrityError(StorageError):
@@ -300,12 +307,16 @@ class S3Store(ArtifactStore):
 
     Endpoint, region and credentials come the way every AWS tool reads them
     (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, profiles,
-    IRSA). Large files go up as multipart uploads (boto3's transfer manager); each S3 call is
-    retried by botocore ("standard" mode, exponential backoff), and a whole transfer that
-    still fails on a connection error is retried from the start a few times.
+    IRSA). Large files go up as multipart uploads (boto3's transfer manager). Each S3 call is
+    retried briefly by botocore ("standard" mode), and the whole operation (a transfer from
+    its start) by our own loop with exponential backoff for as long as `retry_s` allows, so
+    an object store that is down for a while (a restart, a failover) costs time, not the job.
+    Past the budget: StorageError "object store unreachable at <endpoint> after N attempts
+    over T s". Only connection failures and 5xx answers are retried; 403/404 fail at once.
     """
 
-    ATTEMPTS = 4
+    BACKOFF_START_S = 0.2
+    BACKOFF_MAX_S = 5.0
 
     def __init__(
         self,
@@ -316,6 +327,7 @@ class S3Store(ArtifactStore):
         multipart_threshold: int = 64 << 20,
         multipart_chunksize: int = 8 << 20,
         max_concurrency: int = 4,
+        retry_s: float = 60.0,
     ) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
@@ -327,13 +339,16 @@ class S3Store(ArtifactStore):
         # Without signature_version="s3v4" presigned URLs come out SigV2 (ENVIRONMENT.md).
         cfg = Config(
             signature_version="s3v4",
-            retries={"max_attempts": 5, "mode": "standard"},
+            # Few inner attempts: the budget is kept by _retry, whose timing is ours to bound.
+            retries={"max_attempts": 2, "mode": "standard"},
             connect_timeout=5,
             read_timeout=60,
             s3={"addressing_style": "path"},
         )
         session = boto3.session.Session()
         self._s3 = session.client("s3", endpoint_url=endpoint_url, config=cfg)
+        self.endpoint = self._s3.meta.endpoint_url
+        self.retry_s = float(retry_s)
         self._transfer = TransferConfig(
             multipart_threshold=multipart_threshold,
             multipart_chunksize=multipart_chunksize,
@@ -345,20 +360,28 @@ class S3Store(ArtifactStore):
         return self.prefix + key
 
     def _retry(self, what: str, fn: Callable[[], _T]) -> _T:
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import ReadTimeoutError
-
-        delay = 0.2
-        for attempt in range(1, self.ATTEMPTS + 1):
+        """Run `fn` until it succeeds, fails for a reason retrying cannot fix, or the budget ends."""
+        started = time.monotonic()
+        delay, attempt = self.BACKOFF_START_S, 0
+        while True:
+            attempt += 1
             try:
                 return fn()
-            except (BotoConnectionError, ReadTimeoutError, ConnectionError) as exc:
-                if attempt == self.ATTEMPTS:
-                    raise StorageError(f"{what}: object store unreachable after {attempt} tries: {exc}") from exc
-                log.warning("retrying %s after %s (attempt %d)", what, type(exc).__name__, attempt)
-                time.sleep(delay)
-                delay = min(delay * 3, 5.0)
-        raise AssertionError("unreachable")
+            except StorageError:
+                raise  # an inner operation already spent its budget (or is not transient)
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                elapsed = time.monotonic() - started
+                if elapsed + delay > self.retry_s:
+                    raise StoreUnreachable(
+                        f"{what}: object store unreachable at {self.endpoint} after {attempt} attempts over "
+                        f"{elapsed:.1f} s ({type(exc).__name__}: {exc})",
+                        hint="check that the S3 endpoint is up and reachable; FXPORT_STORE_RETRY_S sets the budget",
+                    ) from exc
+                log.warning("retrying %s in %.1f s after %s (attempt %d)", what, delay, type(exc).__name__, attempt)
+                time.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, self.BACKOFF_MAX_S)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None) -> StoredObject:
         digest, n = sha256_file(path)
@@ -462,13 +485,37 @@ class S3Store(ArtifactStore):
         )
 
 
-def open_store(url: str) -> ArtifactStore:
-    """`s3://BUCKET[/prefix]` or `file:///dir` (a plain path is taken as a folder)."""
+def _transient(exc: BaseException) -> bool:
+    """A connection failure or a 5xx answer: worth another try. Anything else (403, 404, a
+    bad request) fails the same way every time."""
+    from botocore.exceptions import (
+        ClientError, ConnectionClosedError, IncompleteReadError, ResponseStreamingError,
+    )
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import ReadTimeoutError
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # boto3 wraps a transfer's ClientError
+        seen.add(id(exc))
+        if isinstance(exc, (BotoConnectionError, ReadTimeoutError, ConnectionClosedError, IncompleteReadError,
+                            ResponseStreamingError, ConnectionError, TimeoutError)):
+            return True
+        if isinstance(exc, ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            return status >= 500 or code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout")
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def open_store(url: str, *, retry_s: float = 60.0) -> ArtifactStore:
+    """`s3://BUCKET[/prefix]` or `file:///dir` (a plain path is taken as a folder). `retry_s`:
+    the S3 backend's retry budget per operation (Settings.store_retry_s)."""
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise StorageError(f"store URL {url!r}: expected s3://BUCKET[/prefix]")
-        return S3Store(parsed.netloc, parsed.path)
+        return S3Store(parsed.netloc, parsed.path, retry_s=retry_s)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise StorageError(f"store URL {url!r}: expected file:///absolute/dir")

@@ -10,6 +10,7 @@ and artifacts go wherever `store` says (S3).
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -18,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fxport.config import Settings
-from fxport.jobs import open_job_store
+from fxport.jobs import SweepResult, open_job_store, sweep_orphans
 from fxport.storage import open_store
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
@@ -26,6 +27,7 @@ from fxport.service.auth import build_auth, server_credentials
 from fxport.service.interceptors import LoggingInterceptor
 from fxport.service.servicer import ConversionServicer
 from fxport.service.tenancy import current_tenant
+from fxport.service.unavailable import BackendUnavailableInterceptor
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConversionService"].full_name
@@ -53,10 +55,13 @@ class FxportServer:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"address": self.address, "mode": "embedded" if self.settings.embedded else "distributed"})
 
-    def stop(self, grace: float | None = 5.0) -> None:
-        """Health goes NOT_SERVING, open WatchJob streams end (clients reconnect elsewhere or
-        later), embedded jobs are interrupted and left to be re-run, in-flight calls get
-        `grace` seconds, then the stores close."""
+    def stop(self, grace: float | None = -1.0) -> None:
+        """Health goes NOT_SERVING first (readiness drops while calls still complete), open
+        WatchJob streams end (clients resume elsewhere from their last event), embedded jobs
+        are interrupted and left to be re-run, in-flight calls get `grace` seconds (default
+        Settings.shutdown_grace_s; None = cut them now), then the stores close."""
+        if grace is not None and grace < 0:
+            grace = self.settings.shutdown_grace_s
         self._health.enter_graceful_shutdown()
         for fn in self._before_stop:
             try:
@@ -74,6 +79,45 @@ class FxportServer:
         return self.grpc_server.wait_for_termination(timeout)
 
 
+class OrphanSweeper:
+    """Every `orphan_sweep_interval_s`, `sweep_orphans` (fxport/jobs.py) in a daemon thread:
+    RUNNING jobs whose worker died and that no redelivery picked up are requeued, or failed
+    after their last attempt. Orphaned means silent for twice the redelivery bound."""
+
+    def __init__(self, jobs: Any, requeue: Callable[[str], Any], settings: Settings) -> None:
+        import os
+        import socket
+
+        self.jobs, self.requeue, self.settings = jobs, requeue, settings
+        self.orphan_after_s = 2 * settings.redelivery_bound_s
+        self.owner = f"sweeper:{socket.gethostname()}:{os.getpid()}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="orphan-sweeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def sweep(self) -> SweepResult:
+        result = sweep_orphans(self.jobs, self.requeue, orphan_after_s=self.orphan_after_s, owner=self.owner)
+        for job_id in result.requeued:
+            log.warning("requeued orphaned job: its worker is gone", extra={"job_id": job_id})
+        for job_id in result.failed:
+            log.warning("failed orphaned job: its worker is gone and it used its attempts", extra={"job_id": job_id})
+        return result
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.orphan_sweep_interval_s):
+            try:
+                self.sweep()
+            except Exception as exc:  # a store outage: try again next round
+                log.warning("orphan sweep failed: %s", exc)
+
+
 def create_server(
     settings: Settings | None = None,
     *,
@@ -84,8 +128,9 @@ def create_server(
     # Credentials first: a server that would listen unauthenticated never opens its stores.
     auth = build_auth(settings)
     tls = server_credentials(settings)
-    artifacts = open_store(settings.store_url())
-    jobs = open_job_store(settings.job_store_url(), settings.home)
+    artifacts = open_store(settings.store_url(), retry_s=settings.store_retry_s)
+    # A blip is retried for a second; a longer outage answers UNAVAILABLE (service/unavailable.py).
+    jobs = open_job_store(settings.job_store_url(), settings.home, retry_s=1.0)
     on_start: list[Callable[[], Any]] = []
     on_stop: list[Callable[[], Any]] = []
     before_stop: list[Callable[[], Any]] = []
@@ -103,12 +148,17 @@ def create_server(
 
         dispatcher = CeleryDispatcher(settings)
         on_stop.append(dispatcher.close)
+        if settings.orphan_sweep_interval_s > 0:
+            sweeper = OrphanSweeper(jobs, dispatcher.enqueue, settings)
+            on_start.append(sweeper.start)
+            before_stop.append(sweeper.stop)
     on_stop.append(jobs.close)
 
     server = grpc.server(
         ThreadPoolExecutor(max_workers=settings.grpc_max_workers, thread_name_prefix="fxport-rpc"),
         # Auth outermost: a refused call never reaches the servicer (it logs its own line).
-        interceptors=[*([auth] if auth else []), *interceptors, LoggingInterceptor()],
+        # Innermost: a backend outage leaves as UNAVAILABLE, which the logging interceptor records.
+        interceptors=[*([auth] if auth else []), *interceptors, LoggingInterceptor(), BackendUnavailableInterceptor()],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
                  ("grpc.so_reuseport", 0)],
     )

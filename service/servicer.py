@@ -197,8 +197,10 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         tenant = self.tenant_of(context)
         try:
             states = [STATE_FROM_PROTO[s] for s in request.states]
-        except KeyError:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "states: JOB_STATE_UNSPECIFIED is not a filter")
+        except KeyError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"states: {exc.args[0]} is not a job state to filter on; valid: "
+                          + ", ".join(f"{pb.JobState.Name(v)} ({v})" for v in STATE_FROM_PROTO))
         if request.page_size < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_size: must not be negative")
         try:

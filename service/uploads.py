@@ -22,6 +22,9 @@ from fxport.storage import SHA256_RE
 from fxport.v1 import conversion_pb2 as pb
 
 
+MAX_FILENAME = 255  # informational only (the engine detects formats by content), but stored on the job
+
+
 class UploadRejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -39,6 +42,11 @@ class SpooledFile:
 
 def check_header(what: str, header: pb.FileHeader, max_bytes: int) -> None:
     """Refuse what can be refused before any byte arrives."""
+    name = header.filename
+    if len(name) > MAX_FILENAME or any(c in name for c in "/\\") or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{what}.filename: a file name (no path, no control characters, at most {MAX_FILENAME} "
+                             f"characters), got {name[:80]!r}")
     if header.sha256 and not SHA256_RE.match(header.sha256):
         raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
                              f"{what}.sha256: expected 64 lowercase hex digits, got {header.sha256[:80]!r}")

@@ -33,7 +33,7 @@ from fxport.config import Settings
 from fxport.errors import FxportError, JobCancelled
 from fxport.jobs import ArtifactRecord, JobErrorInfo, JobRecord, JobState, JobStore
 from fxport.logs import job_context
-from fxport.spec import parse_spec
+from fxport.spec import JobSpec, parse_spec
 from fxport.storage import ArtifactStore, StorageError, artifact_key, check_artifact_name, job_prefix
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,17 @@ class WorkerContext:
     settings: Settings = field(default_factory=Settings)
     # Hands a job to its next stage as a separate task: ("tensorrt", job_id) → queue "gpu".
     enqueue_stage: Callable[[str, str], None] | None = None
+    # Whether some worker consumes queue "gpu" (None: cannot tell); what a job handed to the
+    # tensorrt stage says on its record while it waits (workers/queue_consumers.py).
+    gpu_workers: Callable[[], bool | None] | None = None
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     engine: Callable[..., dict[str, Any]] | None = None  # default: the sandboxed run_engine_job
     # Set by the embedded pool when the server stops: an interrupted job is left as it is
     # (RUNNING) to be re-run on the next start, not recorded as failed.
     stopping: threading.Event = field(default_factory=threading.Event)
+    # Job lease TTL (workers/job_lease.py): set where several workers may get the same job
+    # (Celery); None in the embedded pool, whose one process owns every job.
+    lease_s: float | None = None
 
     def run_engine(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         engine = self.engine
@@ -66,8 +72,11 @@ class WorkerContext:
             from fxport.workers.sandbox import run_engine_job
 
             engine = run_engine_job
-        if "cancel_event" in kwargs and "cancel_event" not in inspect.signature(engine).parameters:
-            kwargs.pop("cancel_event")
+        params = inspect.signature(engine).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            for optional in ("cancel_event", "deferred_targets", "timing_cache_path"):  # newer than some engines
+                if optional in kwargs and optional not in params:
+                    kwargs.pop(optional)
         return engine(*args, **kwargs)
 
 
@@ -107,6 +116,20 @@ def upload_outputs(
         uploaded.append(ArtifactRecord(name=name, format=artifact_format(name, formats), key=key,
                                        bytes=stored.bytes, sha256=stored.sha256))
     return uploaded
+
+
+def clamp_limits(spec: JobSpec, settings: Settings) -> tuple[JobSpec, list[str]]:
+    """spec.limits within the server's maximums: a spec cannot grant its sandbox more memory or
+    time than FXPORT_MAX_JOB_MEMORY_MB / FXPORT_MAX_JOB_TIMEOUT_S. Clamped here, in the worker,
+    because the worker is what applies them; returns the spec to run and what was lowered."""
+    lim = spec.limits
+    memory = min(lim.memory_mb, settings.max_job_memory_mb)
+    timeout = min(lim.timeout_s, settings.max_job_timeout_s)
+    notes = [f"{name} {asked} lowered to the server maximum {got}" for name, asked, got in
+             (("limits.memory_mb", lim.memory_mb, memory), ("limits.timeout_s", lim.timeout_s, timeout)) if got < asked]
+    if not notes:
+        return spec, []
+    return spec.model_copy(update={"limits": lim.model_copy(update={"memory_mb": memory, "timeout_s": timeout})}), notes
 
 
 def _suffix(filename: str) -> str:
@@ -180,11 +203,25 @@ def kill_sandboxes_of(job_id: str) -> int:
     return killed
 
 
-def execute_job(job_id: str, ctx: WorkerContext, *, final_attempt: bool = True) -> JobRecord | None:
+def execute_job(job_id: str, ctx: WorkerContext, *, final_attempt: bool = True,
+                on_heartbeat: Callable[[], Any] | None = None) -> JobRecord | None:
     """Run one job to a terminal state (or hand it to its next stage). Never raises for a
-    job failure; raises RetryLater for a transient store failure unless `final_attempt`."""
+    job failure; raises RetryLater for a transient store failure unless `final_attempt`.
+
+    With `ctx.lease_s`, the job runs under its lease (workers/job_lease.py): LeaseHeld if a
+    live worker already runs it; `on_heartbeat` is called with every lease renewal (the
+    Celery task keeps its broker message invisible there)."""
     with job_context(job_id):
-        return _execute_job(job_id, ctx, final_attempt)
+        if ctx.lease_s is None:
+            return _execute_job(job_id, ctx, final_attempt)
+        from dataclasses import replace
+
+        from fxport.workers.job_lease import AttemptFence, JobLease
+
+        with JobLease(ctx.jobs, job_id, ctx.lease_s, on_heartbeat=on_heartbeat,
+                      on_lost=lambda: kill_sandboxes_of(job_id)) as lease:
+            fenced = replace(ctx, jobs=AttemptFence(ctx.jobs, lease), artifacts=AttemptFence(ctx.artifacts, lease))
+            return _execute_job(job_id, fenced, final_attempt)
 
 
 def _fail(ctx: WorkerContext, job_id: str, stage: str | None, code: str, message: str,
@@ -206,6 +243,11 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
     if rec.terminal:
         log.info("job already %s; nothing to do (a replayed task)", rec.state.value)
         return rec
+    if rec.state is JobState.QUEUED and rec.stage == "tensorrt" and any(a.name == "model.onnx" for a in rec.artifacts):
+        # A redelivered CPU task whose work was done and handed on: hand on again (same task id), nothing more.
+        if ctx.enqueue_stage is not None:
+            ctx.enqueue_stage("tensorrt", job_id)
+        return rec
     if rec.attempts >= MAX_ATTEMPTS:
         return _fail(ctx, job_id, rec.stage, "worker_lost",
                      f"the job stopped its worker {rec.attempts} times (crash or kill during {rec.stage}); "
@@ -225,6 +267,9 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         if "onnx" not in cpu_targets:
             cpu_targets.append("onnx")
         spec = parse_spec({**rec.spec, "targets": cpu_targets})
+    spec, clamped = clamp_limits(spec, ctx.settings)
+    if clamped:
+        ctx.jobs.transition(job_id, message="; ".join(clamped))
 
     cancel = _CancelWatch(ctx, job_id)
 
@@ -256,6 +301,7 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
             manifest = ctx.run_engine(
                 model_path, spec, out_dir, job_id=job_id, calibration_path=calibration_path,
                 on_progress=on_progress, timeout_s=timeout, cancel_event=cancel.event,
+                deferred_targets=("tensorrt",) if wants_trt else (),
             )
             if cancel.event.is_set():
                 raise JobCancelled("cancelled by request", stage=current["stage"])
@@ -279,8 +325,12 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
             return _failure_from(ctx, rec, exc, current["stage"], out_dir)
 
     if wants_trt:
-        rec, changed = ctx.jobs.transition(job_id, stage="tensorrt", artifacts=artifacts,
-                                           message="waiting for a GPU worker")
+        # Back to QUEUED until a GPU worker takes the tensorrt stage; the record says whether one exists.
+        from fxport.workers.queue_consumers import waiting_message
+
+        waiting = waiting_message("gpu", ctx.gpu_workers() if ctx.gpu_workers is not None else None)
+        rec, changed = ctx.jobs.transition(job_id, state=JobState.QUEUED, stage="tensorrt", artifacts=artifacts,
+                                           message=waiting)
         if changed and ctx.enqueue_stage is not None:
             ctx.enqueue_stage("tensorrt", job_id)
         elif changed:
@@ -348,45 +398,102 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
     onnx = earlier.get("model.onnx")
     if onnx is None:
         return _fail(ctx, job_id, "tensorrt", "missing_input", "the TensorRT stage found no model.onnx from the CPU stage")
-    spec = parse_spec({**rec.spec, "targets": ["tensorrt"]})
+    spec, _ = clamp_limits(parse_spec({**rec.spec, "targets": ["tensorrt"]}), ctx.settings)
     with tempfile.TemporaryDirectory(prefix=f"fxport-trt-{job_id}-", dir=ctx.settings.work_dir) as tmp_str:
         tmp = Path(tmp_str)
         out_dir = tmp / "out"
         out_dir.mkdir()
+        cpu_manifest: dict[str, Any] | None = None
         try:
+            from fxport.workers.engine.tensorrt.timing_cache import fetch_shared_cache, publish_shared_cache
+
             onnx_path = tmp / "input" / "model.onnx"
             ctx.artifacts.get(onnx.key, onnx_path)
+            if "model.onnx.data" in earlier:  # weights beside the graph (spec.onnx.single_file: false)
+                ctx.artifacts.get(earlier["model.onnx.data"].key, onnx_path.with_name("model.onnx.data"))
+            cpu_manifest = _stored_manifest(ctx, earlier.get("manifest.json"), tmp / "cpu-manifest.json")
+            spec = _with_cpu_signature(spec, cpu_manifest)
+            cache = (fetch_shared_cache(ctx.artifacts, tmp / "cache" / "timing.cache")
+                     if spec.tensorrt.timing_cache == "shared" else None)
             trt_manifest = ctx.run_engine(
                 onnx_path, spec, out_dir, job_id=job_id,
                 on_progress=lambda e: ctx.jobs.transition(job_id, stage="tensorrt", progress=e.get("progress"),
                                                           message=e.get("message")),
                 timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s),
+                timing_cache_path=cache.path if cache is not None else None,
             )
-            merged = _merge_manifests(ctx, earlier.get("manifest.json"), trt_manifest, tmp)
+            if cache is not None:  # written back under the same key, if the build added timings
+                trt_manifest.setdefault("tensorrt", {})["shared_timing_cache"] = publish_shared_cache(ctx.artifacts, cache)
+                trt_manifest.setdefault("warnings", []).extend(cache.warnings)
+            merged = _merge_manifests(cpu_manifest, trt_manifest)
             (out_dir / "manifest.json").write_text(json.dumps(merged, indent=2, default=str))
+            _rewrite_report(out_dir / "manifest.json")
             new = {a.name: a for a in upload_outputs(ctx, rec, out_dir, trt_manifest)}
         except StorageError as exc:
             if not final_attempt:
                 raise RetryLater(str(exc)) from exc
             return _fail(ctx, job_id, "tensorrt", exc.code, f"object store failure: {exc}")
         except Exception as exc:
+            _merge_failed_manifest(cpu_manifest, out_dir / "manifest.json")
             return _failure_from(ctx, rec, exc, "tensorrt", out_dir)
     artifacts = list({**earlier, **new}.values())
     rec, _ = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
     return rec
 
 
-def _merge_manifests(ctx: WorkerContext, cpu: ArtifactRecord | None, trt: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    """The CPU stage's manifest plus the TensorRT stage's artifacts, verification and timings."""
+def _merge_failed_manifest(cpu_manifest: dict[str, Any] | None, path: Path) -> None:
+    """A failed tensorrt stage publishes the CPU stage's manifest plus the stage's findings and error,
+    not the stage's manifest alone (which would hide everything the CPU stage recorded)."""
+    if cpu_manifest is None or not path.is_file():
+        return
+    try:
+        failed = json.loads(path.read_text())
+        merged = _merge_manifests(cpu_manifest, failed)
+        merged.update(status="failed", error=failed.get("error"))
+        path.write_text(json.dumps(merged, indent=2, default=str))
+        _rewrite_report(path)
+    except Exception as exc:
+        log.warning("could not merge the failed stage's manifest: %s", exc)
+
+
+def _rewrite_report(manifest_path: Path) -> None:
+    """report.html from the merged manifest (the stage's own report shows the engine alone)."""
+    from fxport.report import write_report
+
+    try:
+        write_report(manifest_path)
+    except Exception as exc:  # a report problem never fails the job
+        log.warning("report.html could not be rewritten: %s", exc)
+
+
+def _stored_manifest(ctx: WorkerContext, art: ArtifactRecord | None, path: Path) -> dict[str, Any] | None:
+    if art is None:
+        return None
+    ctx.artifacts.get(art.key, path)
+    return json.loads(path.read_text())
+
+
+def _with_cpu_signature(spec: JobSpec, cpu_manifest: dict[str, Any] | None) -> JobSpec:
+    """A spec without inputs (a .pt2 carries its own) gets the signature the CPU stage resolved:
+    the GPU stage has only the ONNX model, which records no dynamic-dim ranges."""
+    sig = (cpu_manifest or {}).get("inputs")
+    if spec.inputs or not sig:
+        return spec
+    return parse_spec({**spec.normalized(), "inputs": sig["inputs"], "dynamic_dims": sig["dynamic_dims"]})
+
+
+def _merge_manifests(cpu: dict[str, Any] | None, trt: dict[str, Any]) -> dict[str, Any]:
+    """The CPU stage's manifest plus the TensorRT stage's artifacts, verification, engine
+    metadata, warnings and timings."""
     if cpu is None:
         return trt
-    path = tmp / "cpu-manifest.json"
-    ctx.artifacts.get(cpu.key, path)
-    merged = json.loads(path.read_text())
+    merged = cpu
     merged.setdefault("artifacts", []).extend(trt.get("artifacts", []))
     merged.setdefault("verification", []).extend(trt.get("verification", []))
     merged.setdefault("toolchain", {}).update({k: v for k, v in trt.get("toolchain", {}).items() if v})
     merged.setdefault("timings_s", {})["tensorrt"] = sum(trt.get("timings_s", {}).values())
+    merged.setdefault("tensorrt", {}).update(trt.get("tensorrt", {}))
+    merged.setdefault("warnings", []).extend(w for w in trt.get("warnings", []) if w not in merged["warnings"])
     return merged
 
 

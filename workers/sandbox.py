@@ -2,8 +2,10 @@
 
 The child gets a scrubbed environment (no broker URL, storage keys or tokens), a private
 working directory, resource limits (address space, CPU time, file size, open files) and,
-where the kernel allows, a network namespace with no interfaces. It reports progress as
-JSON lines on a private pipe and leaves its result as files; the parent validates them.
+where the kernel allows, a network namespace with no interfaces; workers/sandbox_confine.py
+then forbids new processes, writes outside its folders, TCP and capabilities. It reports
+progress as JSON lines on a private pipe and leaves its result as files; the parent
+validates them.
 """
 
 from __future__ import annotations
@@ -21,14 +23,20 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fxport import errors
 from fxport.spec import JobSpec
 
 CLONE_NEWNET = 0x40000000
 # Environment the child keeps; everything else (AWS_*, FXPORT_*, REDIS_*, tokens) is dropped.
-_KEEP_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED")
+_KEEP_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED",
+             # a TensorRT build needs the GPU the worker was given and the libraries its image set up
+             "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
+             "CUDA_MODULE_LOADING")
+# Where a TensorRT build inside the child leaves the merged timing cache (it may write only to
+# its folders); run_engine_job moves it to the caller's timing_cache_path.
+TIMING_CACHE_OUT = "tensorrt-timing.cache"
 MAX_FILE_BYTES = 16 << 30
 MAX_OPEN_FILES = 1024
 
@@ -41,13 +49,17 @@ _ERROR_TYPES: dict[str, type[errors.FxportError]] = {
 }
 
 
-def apply_limits(memory_bytes: int, cpu_seconds: int, isolate_network: bool) -> bool:
+def apply_limits(memory_bytes: int, cpu_seconds: int, isolate_network: bool, limit_address_space: bool = True) -> bool:
     """Called first thing in the child, before any user code: limits, then no network.
 
     Returns whether the network namespace could be entered (needs CAP_SYS_ADMIN or
     unprivileged user namespaces; where it can't, the manifest says so).
+    `limit_address_space=False` (a TensorRT build): CUDA reserves far more virtual address
+    space than it uses and fails to initialise under RLIMIT_AS, so there the container's
+    memory limit is what bounds the job.
     """
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    if limit_address_space:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 5))
     resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
     resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN_FILES, MAX_OPEN_FILES))
@@ -248,14 +260,20 @@ def run_engine_job(
     timeout_s: float | None = None,
     isolate_network: bool = True,
     cancel_event: threading.Event | None = None,
+    deferred_targets: Sequence[str] = (),
+    timing_cache_path: Path | None = None,
 ) -> dict[str, Any]:
     """Run `engine.convert` in a sandboxed child. Returns the manifest; raises FxportError.
 
-    Setting `cancel_event` kills the child at once and raises JobCancelled."""
+    Setting `cancel_event` kills the child at once and raises JobCancelled.
+    `deferred_targets` and `timing_cache_path` go to convert; the child reads the timing cache
+    there and, after a TensorRT build, the merged cache is left at the same path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     hide_parent_environment()
     timeout = float(timeout_s or spec.limits.timeout_s)
     memory = spec.limits.memory_mb << 20
+    builds_engine = "tensorrt" in spec.targets and "tensorrt" not in deferred_targets
+    cache_out = out_dir.resolve() / TIMING_CACHE_OUT if timing_cache_path is not None else None
     with tempfile.TemporaryDirectory(prefix="fxport-sandbox-") as work_str:
         work = Path(work_str)
         (work / "tmp").mkdir()
@@ -264,8 +282,11 @@ def run_engine_job(
         request = {
             "model_path": str(model_path.resolve()), "spec": spec.normalized(), "out_dir": str(out_dir.resolve()),
             "job_id": job_id, "calibration_path": str(calibration_path) if calibration_path else None,
-            "limits": {"memory_bytes": memory, "cpu_seconds": int(timeout) + 1, "isolate_network": isolate_network},
+            "limits": {"memory_bytes": memory, "cpu_seconds": int(timeout) + 1, "isolate_network": isolate_network,
+                       "limit_address_space": not builds_engine},
             "events_path": str(events_path),
+            "deferred_targets": list(deferred_targets),
+            "timing_cache": {"read": str(timing_cache_path.resolve()), "write": str(cache_out)} if cache_out else None,
         }
         (work / "request.json").write_text(json.dumps(request))
         log_path = work / "sandbox.log"
@@ -325,9 +346,17 @@ def run_engine_job(
         if rc != 0 or not result_path.exists():
             raise _death_error(rc, last_stage["stage"], memory, timeout, elapsed, _tail(log_path))
         result = json.loads(result_path.read_text())
-    if not result.get("sandbox", {}).get("network_isolated"):
-        logging.getLogger(__name__).warning("job %s: sandbox ran WITHOUT network isolation "
-                                            "(no permission for a network namespace)", job_id)
+    if cache_out is not None and timing_cache_path is not None:
+        if cache_out.is_file() and not cache_out.is_symlink() and result.get("ok"):
+            os.replace(cache_out, timing_cache_path)
+        cache_out.unlink(missing_ok=True)  # never uploaded as an artifact
+    box = result.get("sandbox", {})
+    if not box.get("network_isolated"):
+        logging.getLogger(__name__).warning(
+            "job %s: sandbox ran WITHOUT a network namespace (no permission for one); TCP %s", job_id,
+            "is blocked by Landlock" if box.get("tcp_blocked") else "is OPEN and so are other protocols")
+    for problem in box.get("errors", ()):
+        logging.getLogger(__name__).warning("job %s: sandbox confinement incomplete: %s", job_id, problem)
     if not result.get("ok"):
         err = result["error"]
         cls = _ERROR_TYPES.get(err.get("code"), errors.ConversionFailed)

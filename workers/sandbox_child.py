@@ -21,9 +21,15 @@ def run_request(request_path: str) -> int:
     from fxport.workers.sandbox import apply_limits
 
     limits = request["limits"]
-    isolated = apply_limits(limits["memory_bytes"], limits["cpu_seconds"], limits["isolate_network"])
-    sandbox_info = {"network_isolated": isolated, "memory_limit_mb": limits["memory_bytes"] >> 20,
-                    "cpu_limit_s": limits["cpu_seconds"]}
+    address_space = limits.get("limit_address_space", True)
+    isolated = apply_limits(limits["memory_bytes"], limits["cpu_seconds"], limits["isolate_network"], address_space)
+    from fxport.workers.sandbox_confine import confine
+
+    # No new processes, writes only here and to out_dir, no TCP, no capabilities (still one thread).
+    confinement = confine([work, Path(request["out_dir"])])
+    sandbox_info = {"network_isolated": isolated,
+                    "memory_limit_mb": limits["memory_bytes"] >> 20 if address_space else None,
+                    "cpu_limit_s": limits["cpu_seconds"], **confinement}
 
     import torch
 
@@ -46,6 +52,8 @@ def run_request(request_path: str) -> int:
             job_id=request.get("job_id"),
             calibration_path=Path(request["calibration_path"]) if request.get("calibration_path") else None,
             on_progress=on_progress,
+            deferred_targets=request.get("deferred_targets") or (),
+            **_timing_cache_paths(request.get("timing_cache")),
         )
         manifest["sandbox"] = sandbox_info
         result: dict[str, Any] = {"ok": True, "manifest": manifest}
@@ -63,6 +71,12 @@ def run_request(request_path: str) -> int:
     if events:
         events.close()
     return 0
+
+
+def _timing_cache_paths(cache: dict[str, str] | None) -> dict[str, Path]:
+    if not cache:
+        return {}
+    return {"timing_cache_path": Path(cache["read"]), "timing_cache_out": Path(cache["write"])}
 
 
 if __name__ == "__main__":

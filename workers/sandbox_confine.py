@@ -55,10 +55,10 @@ SECCOMP_RET_ALLOW = 0x7FFF0000
 SECCOMP_RET_ERRNO = 0x00050000
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
 
 def _syscall(*args: Any) -> int:
-    _libc.syscall.restype = ctypes.c_long
     return _libc.syscall(*args)
 
 

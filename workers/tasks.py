@@ -4,16 +4,22 @@ embedded pool."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery import signals
 
 from fxport.config import Settings
-from fxport.workers.celery_app import BUILD_TENSORRT, RUN_JOB, STAGE_TASKS, app
+from fxport.workers.celery_app import (
+    BUILD_TENSORRT, RUN_JOB, STAGE_TASKS, MessageVisibility, app, message_kept_visible,
+)
+from fxport.workers.job_lease import LeaseHeld
 from fxport.workers.jobs import RetryLater, WorkerContext, execute_job, execute_stage
+from fxport.workers.queue_consumers import ConsumerHeartbeat, queue_has_consumers
 
 log = logging.getLogger(__name__)
 MAX_RETRIES = 3
+JOB_STORE_RETRY_S = 30.0
 _ctx: WorkerContext | None = None
 
 
@@ -26,10 +32,13 @@ def context() -> WorkerContext:
 
         settings = Settings()
         _ctx = WorkerContext(
-            jobs=open_job_store(settings.job_store_url(), settings.home),
-            artifacts=open_store(settings.store_url()),
+            # Ride out a broker restart (AOF replay) instead of failing the attempt mid-job.
+            jobs=open_job_store(settings.job_store_url(), settings.home, retry_s=JOB_STORE_RETRY_S),
+            artifacts=open_store(settings.store_url(), retry_s=settings.store_retry_s),
             settings=settings,
             enqueue_stage=enqueue_stage,
+            lease_s=settings.job_lease_s,
+            gpu_workers=lambda: queue_has_consumers(settings.broker_url, "gpu"),
             **({"worker_id": settings.worker_id} if settings.worker_id else {}),
         )
     return _ctx
@@ -38,6 +47,35 @@ def context() -> WorkerContext:
 def enqueue_stage(stage: str, job_id: str) -> None:
     # A deterministic task id: a redelivered CPU task that re-enqueues is recognisably the same.
     app.send_task(STAGE_TASKS[stage], args=[job_id], task_id=f"{job_id}-{stage}")
+
+
+_heartbeat: ConsumerHeartbeat | None = None
+
+
+@signals.worker_ready.connect
+def _start_queue_heartbeat(sender: Any = None, **_: Any) -> None:
+    """List this worker as a consumer of its queues in Redis (what a job waiting for a GPU reports)."""
+    global _heartbeat
+    url = Settings().broker_url
+    if not url or not url.startswith(("redis://", "rediss://")) or _heartbeat is not None:
+        return
+
+    def queues() -> list[str]:
+        task_consumer = getattr(sender, "task_consumer", None)
+        if task_consumer is not None:
+            return [q.name for q in task_consumer.queues]
+        return list(app.amqp.queues.consume_from or ())
+
+    name = getattr(sender, "hostname", None) or f"{os.getpid()}"
+    _heartbeat = ConsumerHeartbeat(url, name, queues).start()
+
+
+@signals.worker_shutdown.connect
+def _stop_queue_heartbeat(**_: Any) -> None:
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
 
 
 @signals.setup_logging.connect
@@ -50,16 +88,26 @@ def _setup_logging(**_: Any) -> None:
 
 @app.task(name=RUN_JOB, bind=True, max_retries=MAX_RETRIES)
 def run_job(self: Any, job_id: str) -> None:
+    # The object store's own retry budget (Settings.store_retry_s) is the job's: past it the
+    # job FAILS naming the endpoint, rather than rerunning from scratch a few more times.
     try:
-        execute_job(job_id, context(), final_attempt=self.request.retries >= MAX_RETRIES)
+        execute_job(job_id, context(), final_attempt=True, on_heartbeat=MessageVisibility(app, self.request.id))
+    except LeaseHeld as held:
+        # A duplicate delivery of a job a live worker runs: look again later, as a fresh message
+        # (same task id, so a cancel's revoke still finds it); this one is acknowledged.
+        log.info("%s", held, extra={"job_id": job_id})
+        app.send_task(RUN_JOB, args=[job_id], task_id=self.request.id, countdown=held.retry_in_s)
     except RetryLater as exc:
         raise self.retry(exc=exc, countdown=min(60, 2 ** (self.request.retries + 1)))
 
 
 @app.task(name=BUILD_TENSORRT, bind=True, max_retries=MAX_RETRIES)
 def build_tensorrt(self: Any, job_id: str) -> None:
+    ctx = context()
     try:
-        execute_stage("tensorrt", job_id, context(), final_attempt=self.request.retries >= MAX_RETRIES)
+        # An engine build outlasts the visibility timeout: keep the message from being redelivered.
+        with message_kept_visible(app, self.request.id, ctx.settings.visibility_timeout_s / 4):
+            execute_stage("tensorrt", job_id, ctx, final_attempt=self.request.retries >= MAX_RETRIES)
     except RetryLater as exc:
         raise self.retry(exc=exc, countdown=min(60, 2 ** (self.request.retries + 1)))
 
@@ -82,7 +130,11 @@ def _record_task_failure(sender: Any = None, exception: BaseException | None = N
         rec = jobs.get(job_id)
         if rec is None or rec.terminal:
             return
-        if isinstance(exception, TimeLimitExceeded):
+        if type(exception).__name__ == "SoftTimeLimitExceeded":  # raised outside the job's own handler
+            limit = context().settings.job_soft_time_limit_s
+            error = JobErrorInfo(stage=rec.stage, code="timeout",
+                                 message=f"the job ran past the worker's {limit} s time limit during {rec.stage}")
+        elif isinstance(exception, TimeLimitExceeded):
             limit = context().settings.job_hard_time_limit_s
             error = JobErrorInfo(stage=rec.stage, code="timeout",
                                  message=f"the job ran past the worker's hard time limit ({limit} s) during "

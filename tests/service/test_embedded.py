@@ -25,7 +25,7 @@ def test_cli_submit_wait_out_json_on_embedded_server(embedded_server, tiny_pt2, 
     doc = json.loads(res.stdout)  # exactly one JSON document on stdout
     assert doc["state"] == "SUCCEEDED" and doc["labels"] == {"suite": "embedded"}
     by_name = {a["name"]: a for a in doc["artifacts"]}
-    assert "model.onnx" in by_name and "manifest.json" in by_name
+    assert "model.onnx" in by_name and "manifest.json" in by_name and "report.html" in by_name
     assert any(n.startswith("fx_source/") for n in by_name)
     for name, art in by_name.items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == art["sha256"]
@@ -45,6 +45,12 @@ def test_cli_submit_wait_out_json_on_embedded_server(embedded_server, tiny_pt2, 
                  "--server", embedded_server.address)
     assert res.returncode == 0, res.stderr
     assert (again / "model.onnx").read_bytes() == (out / "model.onnx").read_bytes()
+    # Without --json a person gets the result table and the report's path.
+    human = fxport("submit", str(tiny_pt2), "--target", "onnx", "--server", embedded_server.address,
+                   "--wait", "--out", str(tmp_path / "human"))
+    assert human.returncode == 0, human.stderr
+    assert f"report: {tmp_path / 'human' / 'report.html'}" in human.stdout.replace("\n", "")
+    assert "parity" in human.stdout and "pass" in human.stdout
     # The filesystem store cannot presign: FAILED_PRECONDITION, exit 2 through the client.
     from fxport.client import Client, RequestRefused
 

@@ -16,14 +16,29 @@ def test_routing_tensorrt_to_gpu_everything_else_to_cpu():
 
 
 def test_reliability_settings():
-    s = Settings(broker_url="redis://127.0.0.1:1/0", job_soft_time_limit_s=600, job_hard_time_limit_s=660)
+    s = Settings(broker_url="redis://127.0.0.1:1/0", job_soft_time_limit_s=600, job_hard_time_limit_s=660,
+                 visibility_timeout_s=90, unacked_restore_interval_s=5, worker_soft_shutdown_s=500)
     conf = create_celery_app(s).conf
     assert conf.task_acks_late and conf.task_reject_on_worker_lost
     assert conf.worker_prefetch_multiplier == 1
     assert conf.task_soft_time_limit == 600 and conf.task_time_limit == 660
-    # Shorter than the hard limit, Redis would hand a running job to a second worker.
-    assert conf.broker_transport_options["visibility_timeout"] > conf.task_time_limit
+    # Redelivery after a whole-worker loss within visibility_timeout + restore interval; a
+    # running job keeps its message fresh, so the timeout may be shorter than the hard limit.
+    opts = conf.broker_transport_options
+    assert opts["visibility_timeout"] == 90 and opts["unacked_restore_interval"] == 5
+    assert opts["unacked_restore_throttle"] == 1  # else kombu sweeps only every 10th interval
+    assert s.redelivery_bound_s == 95
+    assert conf.worker_soft_shutdown_timeout == 500
+    assert conf.broker_connection_max_retries is None
     assert conf.broker_url == "redis://127.0.0.1:1/0"
+
+
+def test_a_lease_must_expire_before_redelivery():
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="job_lease_s .* must be shorter than visibility_timeout_s"):
+        Settings(visibility_timeout_s=30, job_lease_s=30)
 
 
 def test_tasks_are_registered_under_their_names():

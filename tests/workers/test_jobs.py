@@ -186,7 +186,9 @@ def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
     # The CPU part made the ONNX the engine build needs, and stopped short of SUCCEEDED.
     assert calls[0]["targets"] == ["torchscript", "onnx"]
     assert handed == [("tensorrt", rec.id)]
-    assert after.state is JobState.RUNNING and after.stage == "tensorrt"
+    # Back in the queue until a GPU worker takes the tensorrt stage, and the record says so.
+    assert after.state is JobState.QUEUED and after.stage == "tensorrt"
+    assert after.message.startswith("waiting for a GPU worker (queue gpu")
 
     def trt_engine(model_path, spec, out_dir, **kw):
         assert Path(model_path).read_bytes() == b"contents of model.onnx" and spec.targets == ["tensorrt"]

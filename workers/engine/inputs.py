@@ -151,6 +151,14 @@ def _check_against_program(sig: InputSignature, prog: InputSignature) -> None:
             hint="list the model's inputs in order, or leave spec.inputs out to use the model's own",
         )
     for idx, (mine, theirs) in enumerate(zip(sig.inputs, prog.inputs)):
+        if mine.name != theirs.name:
+            # Bound by position, a wrong name would ship an artifact whose named inputs are swapped.
+            raise InvalidInput(
+                f"inputs[{idx}] is named {mine.name!r} but the exported model's input {idx} is {theirs.name!r} "
+                f"(its inputs: {', '.join(i.name for i in prog.inputs)})",
+                stage="load", field=f"inputs[{idx}].name",
+                hint="name the inputs as the model does, in order, or leave spec.inputs out to use the model's own",
+            )
         if len(mine.shape) != len(theirs.shape):
             raise InvalidInput(
                 f"inputs[{idx}] ({mine.name}) has rank {len(mine.shape)} but the exported model's input "

@@ -53,10 +53,45 @@ def detect_format(path: Path) -> str:
     )
 
 
+# Decompression-bomb guards, checked on the declared sizes in the central directory before
+# any entry is decompressed (zipfile and torch's reader both stop at the declared size, so
+# the declared sizes bound what can be expanded). torch writes its archives uncompressed.
+MAX_ZIP_ENTRIES = 100_000
+MAX_ZIP_RATIO = 100  # uncompressed / compressed, for entries over 1 MiB
+MAX_ZIP_UNCOMPRESSED = 64 << 30
+
+
+def _check_zip_sizes(zf: zipfile.ZipFile, archive_bytes: int) -> None:
+    infos = zf.infolist()
+    if infos and min(i.header_offset for i in infos) != 0:
+        # zipfile found an end record that is not the file's: a truncated archive whose stored
+        # entry (a .pt2 holds torch.save zips) ends in one of its own. Reading on would misname it.
+        raise UnsupportedModelFormat(
+            "the model archive is truncated or corrupt (its zip directory does not cover the file)",
+            stage="load", hint="re-save the model and upload the complete file")
+    hint = "upload the archive torch wrote (torch.export.save / PackageExporter / torch.jit.save), not a re-compressed one"
+    if len(infos) > MAX_ZIP_ENTRIES:
+        raise UnsupportedModelFormat(f"the model archive has {len(infos)} entries; at most {MAX_ZIP_ENTRIES} are "
+                                     "accepted", stage="load", hint=hint)
+    total = 0
+    for info in infos:
+        total += info.file_size
+        if info.file_size > (1 << 20) and info.file_size > MAX_ZIP_RATIO * max(info.compress_size, 1):
+            raise UnsupportedModelFormat(
+                f"the model archive looks like a decompression bomb: entry {info.filename[:200]!r} claims "
+                f"{info.file_size} bytes from {info.compress_size} compressed (more than {MAX_ZIP_RATIO}:1); "
+                "refusing to decompress it", stage="load", hint=hint)
+    if total > MAX_ZIP_UNCOMPRESSED or total > MAX_ZIP_RATIO * max(archive_bytes, 1) + (64 << 20):
+        raise UnsupportedModelFormat(
+            f"the model archive looks like a decompression bomb: its entries claim {total} bytes in all from a "
+            f"{archive_bytes}-byte file; refusing to decompress it", stage="load", hint=hint)
+
+
 def _detect_zip(path: Path) -> str:
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
+            _check_zip_sizes(zf, path.stat().st_size)
             bad = zf.testzip()
     except (zipfile.BadZipFile, EOFError, OSError) as exc:
         raise UnsupportedModelFormat(

@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -57,6 +57,8 @@ class _Run:
 
     def __init__(self, manifest: dict[str, Any], on_progress: ProgressFn | None) -> None:
         self.manifest, self.on_progress = manifest, on_progress
+        self.deferred: tuple[str, ...] = ()  # targets a later stage builds from this run's outputs (tensorrt)
+        self.timing_cache: tuple[Path | None, Path | None] = (None, None)  # TensorRT timing cache: (read, write)
 
     def emit(self, stage: str, progress: float, message: str = "") -> None:
         if self.on_progress:
@@ -88,9 +90,16 @@ def convert(
     job_id: str | None = None,
     calibration_path: Path | None = None,
     on_progress: ProgressFn | None = None,
+    deferred_targets: Sequence[str] = (),
+    timing_cache_path: Path | None = None,
+    timing_cache_out: Path | None = None,
 ) -> dict[str, Any]:
     """Convert the model at `model_path` per `spec` into `out_dir`. Returns the manifest.
 
+    `deferred_targets` ("tensorrt") are built later, elsewhere (the GPU queue), from this run's
+    ONNX model: this run makes and preflights that ONNX model instead of building them.
+    `timing_cache_path`: a TensorRT timing cache file a build reads; the merged cache is written to
+    `timing_cache_out` (default: the same file). See tensorrt/timing_cache.py.
     Raises an FxportError subclass naming the stage; manifest.json is written either way.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +120,7 @@ def convert(
         "error": None,
     }
     run = _Run(manifest, on_progress)
+    run.deferred, run.timing_cache = tuple(deferred_targets), (timing_cache_path, timing_cache_out or timing_cache_path)
     try:
         _convert(run, model_path, spec, out_dir, calibration_path)
         manifest["status"] = "succeeded"
@@ -146,7 +156,7 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
     with run.stage("load"):
         loaded = load_model(model_path)
         manifest["input"]["format"] = loaded.format
-        _check_targets(loaded, spec)
+        _check_targets(loaded, spec, run.deferred)
         sig = resolve_signature(spec, loaded) if loaded.format != "onnx" else None
         if sig is not None:
             manifest["inputs"] = {
@@ -155,12 +165,19 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
             }
             manifest["warnings"].extend(sig.notes)
     if loaded.format == "onnx":
-        if spec.precision != "fp32":
+        if spec.precision != "fp32" and _wants_tensorrt(spec, run):
+            if "onnx" in spec.targets:
+                manifest["warnings"].append(f"precision {spec.precision} applies to the TensorRT engine; model.onnx is "
+                                            "the uploaded model as it is")
+        elif spec.precision != "fp32":
             raise InvalidInput(
                 f"precision {spec.precision} needs the PyTorch model: an ONNX upload is copied as it is",
                 stage="load", field="precision", hint="upload the .pt2 (or torch.package) to quantize it",
             )
         _convert_onnx_input(run, loaded, spec, out_dir)
+        if "tensorrt" in spec.targets and "tensorrt" not in run.deferred:
+            with run.stage("tensorrt"):
+                _build_tensorrt_from_onnx_input(run, loaded, spec, out_dir)
         return
     assert sig is not None
 
@@ -189,6 +206,8 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
     written: dict[str, Path] = {}
     with run.stage("export"):
         targets = [t for t in spec.targets if t in ARTIFACT_PATHS]
+        if _wants_tensorrt(spec, run) and "onnx" not in targets:
+            targets.append("onnx")  # the TensorRT engine is built from it
         extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
         for i, target in enumerate(targets):
             run.emit("export", i / max(len(targets), 1), target)
@@ -204,12 +223,18 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
         if reduced is not None and reduced.int8 is not None and "onnx" in written:
             run.emit("export", 0.95, "checking the int8 ONNX model")
             _check_int8_onnx(run, reduced, written["onnx"], example, sig, spec)
+        if _wants_tensorrt(spec, run):  # fail here, in seconds, on what TensorRT's parser rejects
+            from fxport.workers.engine.tensorrt.stage import preflight_stage
+
+            run.emit("export", 0.97, "TensorRT preflight")
+            preflight_stage(manifest, written["onnx"], spec.precision)
 
     with run.stage("verify"):
         from fxport.workers.engine.verify.precision import PrecisionComparison, tolerances_for
         from fxport.workers.engine.verify.runners import EagerRunner
 
-        tol = tolerances_for(spec)
+        real_data = bool(reduced and reduced.calibration and reduced.calibration.info.get("source") == "file")
+        tol = tolerances_for(spec, real_data=real_data)
         comparison = PrecisionComparison(tol) if reduced is not None else None
         points = _held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8 else _sample_points(sig, spec)
         runners = _runners(written, sig)
@@ -245,6 +270,18 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
                                 "representative calibration data, or try another calibration observer")
                 raise VerificationFailed(message, stage="verify", hint=hint, detail=detail)
             manifest["warnings"].append(f"verification mismatches allowed by spec.verify.fail_on_mismatch=false: {table}")
+
+    if "tensorrt" in spec.targets and "tensorrt" not in run.deferred:
+        with run.stage("tensorrt"):
+            from fxport.workers.engine.tensorrt.stage import build_stage
+            from fxport.workers.engine.verify.runners import EagerRunner
+
+            trt_points = (_held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8
+                          else _sample_points(sig, spec))
+            engine = build_stage(manifest, run.emit, onnx_path=written["onnx"], sig=sig, spec=spec, out_dir=out_dir,
+                                 reference=EagerRunner(loaded.module), reference_label="the original model (eager)",
+                                 points=trt_points, timing_cache=run.timing_cache)
+            manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir))
 
 
 @dataclass
@@ -290,13 +327,22 @@ def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, ex
     if result.report["end_to_end"]["target_met"] is False:
         manifest["warnings"].append(
             f"int8: end-to-end cosine {result.report['end_to_end']['cosine']:.5f} misses quantization.target_cosine="
-            f"{spec.quantization.target_cosine} even with every layer in fp32 but the activations' Q/DQ")
+            f"{spec.quantization.target_cosine} with {len(result.report['fallback_layers'])} of "
+            f"{len(result.report['layers'])} layers kept in fp32")
     return _Reduced(result.graph_module, int8=result, calibration=data)
 
 
 def _check_int8_onnx(run: _Run, reduced: _Reduced, onnx_path: Path, example: tuple[Any, ...], sig: InputSignature,
                      spec: JobSpec) -> None:
     """Record which int8 kernels onnxruntime runs, TensorRT's Q/DQ rules, and the fallback's latency cost."""
+    try:
+        _inspect_int8_onnx(run, reduced, onnx_path, example, sig, spec)
+    except Exception as exc:  # a report that could not be made never fails the conversion
+        run.manifest["warnings"].append(f"int8: the ONNX model could not be inspected: {type(exc).__name__}: {exc}")
+
+
+def _inspect_int8_onnx(run: _Run, reduced: _Reduced, onnx_path: Path, example: tuple[Any, ...], sig: InputSignature,
+                       spec: JobSpec) -> None:
     from fxport.workers.engine.verify import onnx_quantization as oq
 
     quant = run.manifest["quantization"]
@@ -357,7 +403,11 @@ def _dims_of(sig: InputSignature, args: tuple[Any, ...]) -> dict[str, int]:
     return dims
 
 
-def _check_targets(loaded: LoadedModel, spec: JobSpec) -> None:
+def _wants_tensorrt(spec: JobSpec, run: _Run) -> bool:
+    return "tensorrt" in spec.targets or "tensorrt" in run.deferred
+
+
+def _check_targets(loaded: LoadedModel, spec: JobSpec, deferred: Sequence[str] = ()) -> None:
     if loaded.format == "onnx":
         bad = [t for t in spec.targets if t not in ("onnx", "tensorrt")]
         if bad:
@@ -365,11 +415,16 @@ def _check_targets(loaded: LoadedModel, spec: JobSpec) -> None:
                 f"an ONNX model converts only to onnx and tensorrt; it cannot give {', '.join(bad)}",
                 stage="load", field="targets", hint="upload the PyTorch model (.pt2) for torch targets",
             )
-    if "tensorrt" in spec.targets:
-        raise InvalidInput(
-            "the tensorrt target needs a GPU worker, which this build does not have yet",
-            stage="load", field="targets", hint="drop tensorrt from targets",
-        )
+    if "tensorrt" in spec.targets and "tensorrt" not in deferred:
+        from fxport.workers.engine.tensorrt.builder import tensorrt_unavailable
+
+        why = tensorrt_unavailable()
+        if why is not None:
+            raise InvalidInput(
+                f"the tensorrt target builds the engine on this machine, which cannot: {why}",
+                stage="load", field="targets",
+                hint="submit the job to an fxport server with a GPU worker (queue gpu), or drop tensorrt from targets",
+            )
 
 
 def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, out_dir: Path,
@@ -392,7 +447,8 @@ def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignat
         if target == "exported_program":
             from fxport.workers.engine.exporters.exported_program import ExportedProgramFromGraphModule
 
-            return ExportedProgramFromGraphModule(gm, example, sig.dynamic_shapes())(path), ""
+            note = f"load it after `{_QDQ_IMPORT.split('  #')[0]}`: its Q/DQ ops live there" if precision == "int8" else ""
+            return ExportedProgramFromGraphModule(gm, example, sig.dynamic_shapes())(path), note
         if target == "fx_source":
             from fxport.workers.engine.exporters.fx_source import FxSourceFromGraphModule
 
@@ -491,7 +547,34 @@ def _convert_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpec, out_dir: 
             onnx.checker.check_model(str(loaded.onnx_path), full_check=True)
         except Exception as exc:
             raise InvalidInput(f"the ONNX model fails onnx.checker: {exc}", stage="load") from exc
-        dest = out_dir / "model.onnx"
-        shutil.copyfile(loaded.onnx_path, dest)
-        run.manifest["artifacts"].extend(_artifact_records("onnx", dest, out_dir))
+        if "onnx" in spec.targets:
+            dest = out_dir / "model.onnx"
+            shutil.copyfile(loaded.onnx_path, dest)
+            run.manifest["artifacts"].extend(_artifact_records("onnx", dest, out_dir))
         run.manifest["capture"] = {"method": "none", "level": "onnx", "attempts": []}
+        if "tensorrt" in run.deferred:
+            from fxport.workers.engine.tensorrt.stage import preflight_stage
+
+            run.emit("export", 0.9, "TensorRT preflight")
+            preflight_stage(run.manifest, loaded.onnx_path, spec.precision)
+
+
+def _build_tensorrt_from_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpec, out_dir: Path) -> None:
+    """The GPU stage: engine from the ONNX model, verified against onnxruntime on that model (the
+    original PyTorch model is not here; the CPU stage verified the ONNX model against it)."""
+    import onnx
+
+    from fxport.workers.engine.tensorrt.profiles import signature_from_onnx
+    from fxport.workers.engine.tensorrt.stage import build_stage
+    from fxport.workers.engine.verify.runners import OnnxRuntimeRunner
+
+    assert loaded.onnx_path is not None
+    sig = signature_from_onnx(onnx.load(str(loaded.onnx_path), load_external_data=False), spec.inputs,
+                              spec.dynamic_dims)
+    run.manifest["inputs"] = {"inputs": [i.model_dump() for i in sig.inputs],
+                              "dynamic_dims": {k: v.model_dump() for k, v in sig.dynamic_dims.items()}}
+    engine = build_stage(run.manifest, run.emit, onnx_path=loaded.onnx_path, sig=sig, spec=spec, out_dir=out_dir,
+                         reference=OnnxRuntimeRunner(loaded.onnx_path, [i.name for i in sig.inputs]),
+                         reference_label="onnxruntime on the ONNX model the engine was built from",
+                         points=_sample_points(sig, spec), timing_cache=run.timing_cache)
+    run.manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir))

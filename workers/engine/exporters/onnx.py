@@ -64,4 +64,3 @@ class OnnxFromGraphModule:
         except Exception as exc:
             raise ConversionFailed(f"the exported ONNX fails onnx.checker: {exc}", stage="export") from exc
         return path
-

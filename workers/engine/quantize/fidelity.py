@@ -21,7 +21,7 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from fxport.workers.engine.passes.graph_attrs import fetch_attr
 from fxport.workers.engine.quantize.int8 import QdqGraph, fake_quantize
-from fxport.workers.engine.quantize.layers import Layer, data_input
+from fxport.workers.engine.quantize.layers import Layer
 from fxport.workers.engine.quantize.observers import quantize_weight
 
 MAX_SQNR_DB = 200.0  # identical tensors: a finite, JSON-safe ceiling
@@ -158,14 +158,16 @@ def per_layer(gm: GraphModule, qdq: QdqGraph, layers: list[Layer], batches: list
             for layer in quantized:
                 node = nodes[layer.node]
                 y = rec_f.values[layer.node]
-                x = rec_f.values[data_input(node).name]
+                x = rec_f.values[layer.activation(node).name]
                 scale_in = qdq.input_scales[layer.name]
                 xq = x if math.isnan(scale_in) else fake_quantize(x, scale_in)
-                y_own = fake_quantize(_layer_forward(gm, node, layer, xq, weights[layer.name], rec_f.values),
-                                      qdq.output_scales[layer.name])
+                y_own = _layer_forward(gm, node, layer, xq, weights[layer.name], rec_f.values)
+                if layer.name in qdq.output_scales:
+                    y_own = fake_quantize(y_own, qdq.output_scales[layer.name])
                 y_cum = rec_q.values[qdq.layer_outputs[layer.name]]
-                if layer.name in qdq.relu_outputs:
-                    y, y_own, y_cum = torch.relu(y), torch.relu(y_own), torch.relu(y_cum)
+                if layer.name in qdq.activation_after:
+                    act = nodes[qdq.activation_after[layer.name]]
+                    y, y_own, y_cum = (_apply(gm, act, t, rec_f.values) for t in (y, y_own, y_cum))
                 own[layer.name].add(y, y_own)
                 cumulative[layer.name].add(y, y_cum)
                 out_elems[layer.name] = int(y[0].numel()) if y.dim() > 0 else 1
@@ -181,10 +183,23 @@ def per_layer(gm: GraphModule, qdq: QdqGraph, layers: list[Layer], batches: list
     return metrics, e2e.summary()
 
 
+def _apply(gm: GraphModule, node: Node, x: torch.Tensor, values: dict[str, Any]) -> torch.Tensor:
+    """The float graph's one-input op `node` (a ReLU or clamp) applied to `x` (never in place)."""
+    x = x.clone()
+    rest = [fetch_attr(gm, a.target) if isinstance(a, Node) and a.op == "get_attr" else
+            values.get(a.name) if isinstance(a, Node) else a for a in node.args[1:]]
+    if node.op == "call_module":
+        return gm.get_submodule(str(node.target))(x)
+    if node.op == "call_method":
+        return getattr(x, str(node.target))(*rest, **node.kwargs)
+    return node.target(x, *rest, **node.kwargs)
+
+
 def _dequantized_weight(gm: GraphModule, layer: Layer) -> torch.Tensor:
     w = fetch_attr(gm, layer.weight)
-    q, scale = quantize_weight(w, axis=0)
-    shape = [-1] + [1] * (w.dim() - 1)
+    q, scale = quantize_weight(w, axis=layer.axis)
+    shape = [1] * w.dim()
+    shape[layer.axis] = -1
     return (q.float() * scale.reshape(shape)).to(w.dtype)
 
 
@@ -205,6 +220,6 @@ def _layer_forward(gm: GraphModule, node: Node, layer: Layer, x: torch.Tensor, w
         return a
 
     args = [value(a) for a in node.args]
-    args[0], args[1] = x, weight
+    args[layer.x_arg], args[layer.w_arg] = x, weight
     kwargs = {k: value(v) for k, v in node.kwargs.items()}
     return node.target(*args, **kwargs)

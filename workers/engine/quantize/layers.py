@@ -31,12 +31,20 @@ CONV_ATEN = {
     aten.conv1d.padding: "conv1d", aten.conv2d.padding: "conv2d", aten.conv3d.padding: "conv3d",
     aten.linear.default: "linear", aten.convolution.default: "convolution",
 }
+# x @ W with a constant W of shape [in, out] (GPT-2's Conv1D: addmm(bias, x, W)): per-column scales
+MATMUL_ATEN = {aten.addmm.default: (1, 2), aten.mm.default: (0, 1), aten.matmul.default: (0, 1),
+               torch.addmm: (1, 2), torch.mm: (0, 1), torch.matmul: (0, 1)}
 CONV_MODULES = {nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d", nn.Linear: "linear"}
 _PLAIN_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward, nn.Linear.forward}
 
 # ReLU: shares its input's scale (see int8.plan_qdq); ORT runs DQ→Relu→Q, TensorRT fuses it into the conv.
 RELU = {torch.relu, torch.relu_, F.relu, aten.relu.default, aten.relu_.default, "relu", "relu_"}
 RELU_MODULES = (nn.ReLU,)
+# Clamps (ReLU6, hardtanh): like ReLU, they map an int8 grid onto itself (but for a bound off
+# the grid), so they share their input's scale too.
+CLAMP = {F.relu6, F.hardtanh, torch.clamp, aten.hardtanh.default, aten.hardtanh_.default, aten.relu6.default,
+         aten.clamp.default, "clamp", "clamp_"}
+CLAMP_MODULES = (nn.ReLU6, nn.Hardtanh)
 # Elementwise add of two quantized tensors: ORT runs it as QLinearAdd, TensorRT in int8.
 ADD = {operator.add, operator.iadd, torch.add, aten.add.Tensor, aten.add_.Tensor, "add", "add_"}
 # Averaging: own range (means shrink), ORT has QLinearAveragePool / QLinearGlobalAveragePool.
@@ -68,6 +76,12 @@ class Layer:
     out_channels: int
     macs_per_output: int  # multiply-adds per output element (a latency weight for reports)
     notes: list[str] = field(default_factory=list)
+    x_arg: int = 0  # which argument is the activation
+    w_arg: int = 1  # which argument is the weight
+    axis: int = 0  # the weight's output-channel axis (1 for a [in, out] matmul weight)
+
+    def activation(self, node: Node) -> Node:
+        return node.args[self.x_arg]
 
 
 @dataclass
@@ -88,6 +102,10 @@ def _matches(node: Node, gm: GraphModule, functions: set[Any], modules: tuple[ty
 
 def is_relu(node: Node, gm: GraphModule) -> bool:
     return _matches(node, gm, RELU, RELU_MODULES)
+
+
+def is_clamp(node: Node, gm: GraphModule) -> bool:
+    return _matches(node, gm, CLAMP, CLAMP_MODULES)
 
 
 def is_add(node: Node, gm: GraphModule) -> bool:
@@ -173,6 +191,8 @@ def _layer(gm: GraphModule, node: Node) -> Layer | str | None:
                      macs_per_output=int(mod.weight[0].numel()))
     if node.op != "call_function":
         return None
+    if node.target in MATMUL_ATEN:
+        return _matmul_layer(gm, node)
     kind = CONV_FUNCTIONS.get(node.target) or CONV_ATEN.get(node.target)
     if kind is None:
         return None
@@ -202,3 +222,29 @@ def _layer(gm: GraphModule, node: Node) -> Layer | str | None:
     name = name[: -len(".weight")] if name.endswith(".weight") else name
     return Layer(name=name, node=node.name, op=kind, weight=str(weight.target), bias=bias_name,
                  out_channels=int(w.shape[0]), macs_per_output=int(w[0].numel()))
+
+
+def _matmul_layer(gm: GraphModule, node: Node) -> Layer | str | None:
+    x_arg, w_arg = MATMUL_ATEN[node.target]
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return "addmm with alpha/beta (not quantized)"
+    if len(node.args) <= w_arg or not isinstance(node.args[x_arg], Node):
+        return None
+    weight = node.args[w_arg]
+    if not isinstance(weight, Node) or weight.op != "get_attr":
+        return None  # a product of two activations (attention): not a layer
+    try:
+        w = fetch_attr(gm, weight.target)
+    except AttributeError:
+        return "weight attribute not found"
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2:
+        return "matmul weight is not a 2-D float constant"
+    if x_arg == 1:
+        bias = node.args[0]
+        if isinstance(bias, Node) and bias.op != "get_attr":
+            return "bias is computed in the graph, not a constant"
+    name = str(weight.target)
+    name = name[: -len(".weight")] if name.endswith(".weight") else name
+    bias_name = str(node.args[0].target) if x_arg == 1 and isinstance(node.args[0], Node) else None
+    return Layer(name=name, node=node.name, op="matmul", weight=str(weight.target), bias=bias_name,
+                 out_channels=int(w.shape[1]), macs_per_output=int(w.shape[0]), x_arg=x_arg, w_arg=w_arg, axis=1)

@@ -24,7 +24,7 @@ from fxport.workers.engine.quantize.int8 import (
     insert_observers,
     plan_qdq,
 )
-from fxport.workers.engine.quantize.layers import Layer, data_input, scan_layers
+from fxport.workers.engine.quantize.layers import Layer, scan_layers
 from fxport.workers.engine.quantize.observers import ACT_QMAX, W_QMAX
 
 WORST_COUNT = 5
@@ -81,8 +81,8 @@ def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out:
         nodes = {n.name: n for n in gm.graph.nodes}
         keep = []
         for layer in layers:
-            x = data_input(nodes[layer.node])
-            if layer.node in not_float or (x is not None and x.name in not_float):
+            x = layer.activation(nodes[layer.node])
+            if layer.node in not_float or x.name in not_float:
                 skipped.append({"node": layer.name, "reason": "its input or output is not a float tensor"})
             else:
                 keep.append(layer)

@@ -28,6 +28,11 @@ def compare_outputs(ref: list[np.ndarray], got: list[np.ndarray], opts: VerifyOp
         if a.shape != b.shape:
             return {"passed": False, "error": f"output {i} has shape {list(b.shape)}, the model's {list(a.shape)}"}
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        if a64.size and not np.isfinite(a64).any():
+            # An all-NaN/Inf reference "matches" anything that is equally broken: nothing to verify.
+            return {"passed": False, "error": f"the original model's output {i} is entirely NaN/Inf on the "
+                                              "verification inputs (are its weights NaN or Inf?); there is "
+                                              "nothing to compare the artifact against"}
         if not (np.isfinite(a64).all() and np.isfinite(b64).all()):
             same_nonfinite = np.array_equal(np.isnan(a64), np.isnan(b64)) and np.array_equal(
                 np.where(np.isinf(a64), a64, 0), np.where(np.isinf(b64), b64, 0))

@@ -99,14 +99,30 @@ def explicit_quantization_issues(path: Path) -> dict[str, Any]:
                 issues.append(f"{label}: read by {', '.join(sorted(set(bad)))}, not only DequantizeLinear")
         else:
             src = node.input[0]
-            if src in consts:  # a weight: int8 initializer, per-channel on axis 0 (or per tensor)
+            if src in consts:  # a weight: int8 initializer, per-channel on its output-channel axis
                 if consts[src].dtype != np.int8:
                     issues.append(f"{label}: weight initializer is {consts[src].dtype}, not int8")
                 axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-                if scale is not None and np.asarray(scale).size > 1 and axis != 0:
-                    issues.append(f"{label}: per-channel weight scale on axis {axis} (TensorRT expects 0 for Conv/Gemm weights)")
+                if scale is not None and np.asarray(scale).size > 1:
+                    for reader in readers.get(node.output[0], []):
+                        want = _output_channel_axis(reader, node.output[0], consts[src].ndim)
+                        if want is not None and axis % consts[src].ndim != want:
+                            issues.append(f"{label}: per-channel scale on axis {axis}; {reader.op_type} needs "
+                                          f"its output channels, axis {want}")
     return {"ok": not issues, "issues": issues[:50], "quantize_linear": counts["QuantizeLinear"],
             "dequantize_linear": counts["DequantizeLinear"]}
+
+
+def _output_channel_axis(reader: Any, weight: str, rank: int) -> int | None:
+    """The weight axis that indexes output channels for this reader, or None when it is not a weight reader."""
+    if reader.op_type in ("Conv", "ConvTranspose") and list(reader.input[1:2]) == [weight]:
+        return 0 if reader.op_type == "Conv" else 1
+    if reader.op_type == "Gemm" and list(reader.input[1:2]) == [weight]:
+        trans_b = next((a.i for a in reader.attribute if a.name == "transB"), 0)
+        return 0 if trans_b else 1
+    if reader.op_type == "MatMul" and list(reader.input[1:2]) == [weight]:
+        return rank - 1
+    return None
 
 
 def onnxruntime_latency_ms(path: Path, feed: dict[str, np.ndarray], *, runs: int = 20, budget_s: float = 5.0) -> float:

@@ -1,0 +1,118 @@
+"""Worker death: kill -9 of a pool child or of a whole worker mid-job; a job outliving the
+visibility timeout. Each job completes once, with the clean run's artifacts."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from fxport.workers.celery_app import MessageVisibility
+from tests.reliability.conftest import (
+    REDELIVERY_BOUND_S, SPEC, assert_like_clean_run, attempt_history, freeze_sandbox, pool_pid,
+    wait_terminal, wait_until, worker_running,
+)
+
+pytestmark = pytest.mark.slow
+
+JOBS, KILLS = 30, 5
+ENGINE_STAGES = ("load", "capture", "passes", "export")
+
+
+def test_thirty_jobs_survive_five_random_worker_kills(fault_stack, clean_run, tiny_pt2):
+    """3 pool-child kills (requeued at once) and 2 whole-worker kills (redelivered after the
+    visibility timeout, the worker restarted), at random moments, on random running jobs."""
+    rng = random.Random(20240505)
+    kinds = ["pool child"] * 3 + ["whole worker"] * 2
+    rng.shuffle(kinds)
+    label = f"kills-{uuid.uuid4().hex[:8]}"
+    with fault_stack.client() as client:
+        ids = [client.submit(tiny_pt2, {**SPEC, "labels": {"suite": label}}).id for _ in range(JOBS)]
+    jobs = fault_stack.job_store()
+
+    hits: Counter[str] = Counter()
+    for kind in kinds:
+        def running_job():  # noqa: ANN202
+            # A record still naming a killed pool process is waiting for its rerun: not a target.
+            found = [rec for rec in map(jobs.get, ids)
+                     if rec.state.value == "RUNNING" and rec.stage in ENGINE_STAGES and rec.worker
+                     and Path(f"/proc/{pool_pid(rec)}").exists()]
+            return rng.choice(found) if found else None
+
+        rec = wait_until(running_job, 60, "a running job to kill", every=0.05)
+        if kind == "pool child":
+            os.kill(pool_pid(rec), signal.SIGKILL)
+        else:
+            name = worker_running(fault_stack, rec)
+            fault_stack.kill_worker(name)
+            fault_stack.start_worker(name)
+        hits[rec.id] += 1
+        time.sleep(rng.uniform(0.2, 1.5))
+
+    records = wait_terminal(fault_stack, ids, timeout=150)
+    assert [r.state.value for r in records.values()] == ["SUCCEEDED"] * JOBS, fault_stack.logs()
+    # No duplicate jobs: exactly the submitted ones carry the label.
+    with fault_stack.client() as client:
+        assert sorted(j.id for j in client.iter_jobs(labels={"suite": label})) == sorted(ids)
+    reruns = 0
+    for job_id, rec in records.items():
+        history = attempt_history(fault_stack, job_id)  # asserts attempts never overlapped
+        assert [a for a, _ in history] == list(range(1, rec.attempts + 1)), (job_id, history)
+        # Each rerun is explained by a kill that hit the job; none comes from a second worker
+        # starting a job that was still running.
+        assert rec.attempts <= 1 + hits[job_id], (job_id, rec.attempts, hits[job_id], history)
+        reruns += rec.attempts - 1
+        assert_like_clean_run(fault_stack, job_id, clean_run)
+    assert reruns >= KILLS - 1, f"only {reruns} reruns for {KILLS} kills: the kills missed their jobs"
+
+
+def test_a_job_running_past_the_visibility_timeout_is_not_started_twice(fault_stack, clean_run, tiny_pt2,
+                                                                         queue_control):
+    """Kombu redelivers a message un-acked longer than visibility_timeout_s; a live worker
+    keeps its job's message fresh, so the idle worker never gets a copy."""
+    with fault_stack.client() as client:
+        job = client.submit(tiny_pt2, SPEC)
+    frozen = freeze_sandbox(fault_stack, job.id)
+    try:
+        visibility = MessageVisibility(queue_control.app, job.id)
+        held_for = 2 * REDELIVERY_BOUND_S + 2
+        deadline = time.monotonic() + held_for
+        while time.monotonic() < deadline:
+            rec = fault_stack.job_store().get(job.id)
+            assert rec.attempts == 1 and rec.state.value == "RUNNING", rec
+            assert visibility.tags(), "the running job's message left the unacked set"
+            time.sleep(0.5)
+    finally:
+        frozen.thaw()
+    (rec,) = wait_terminal(fault_stack, [job.id], timeout=60).values()
+    assert rec.attempts == 1 and len(attempt_history(fault_stack, job.id)) == 1
+    assert_like_clean_run(fault_stack, job.id, clean_run)
+    assert visibility.tags() == []  # acknowledged
+
+
+def test_a_killed_workers_job_is_back_within_the_redelivery_bound(fault_stack, clean_run, tiny_pt2):
+    """The bound: visibility_timeout_s + unacked_restore_interval_s (+ pickup)."""
+    with fault_stack.client() as client:
+        job = client.submit(tiny_pt2, SPEC)
+    frozen = freeze_sandbox(fault_stack, job.id)
+    rec = fault_stack.job_store().get(job.id)
+    name = worker_running(fault_stack, rec)
+    fault_stack.kill_worker(name)
+    frozen.kill()  # it was below the killed worker
+    killed_at = time.monotonic()
+    try:
+        wait_until(lambda: fault_stack.job_store().get(job.id).attempts == 2, REDELIVERY_BOUND_S + 5,
+                   "the redelivered attempt to start", every=0.05)
+        took = time.monotonic() - killed_at
+    finally:
+        fault_stack.start_worker(name)
+    assert took <= REDELIVERY_BOUND_S + 3, f"redelivered after {took:.1f} s"
+    wait_terminal(fault_stack, [job.id], timeout=60)
+    assert [a for a, _ in attempt_history(fault_stack, job.id)] == [1, 2]
+    assert_like_clean_run(fault_stack, job.id, clean_run)
