@@ -329,6 +329,7 @@ def run_engine_job(
             raise errors.JobCancelled(f"cancelled during {last_stage['stage']}", stage=last_stage["stage"]) from None
         except TimeoutError:
             launch.kill()
+            _count_failure("timeout")
             raise errors.ResourceLimitExceeded(
                 f"the model ran past the {timeout:.0f} s wall-clock limit during {last_stage['stage']}",
                 stage=last_stage["stage"], hint="raise spec.limits.timeout_s (within the server maximum) "
@@ -359,13 +360,19 @@ def run_engine_job(
         logging.getLogger(__name__).warning("job %s: sandbox confinement incomplete: %s", job_id, problem)
     if not result.get("ok"):
         err = result["error"]
+        if err.get("code") == "resource_limit":
+            _count_failure("memory")
         cls = _ERROR_TYPES.get(err.get("code"), errors.ConversionFailed)
         exc = cls(err.get("message") or "conversion failed", stage=err.get("stage"), detail=err.get("detail"),
                   field=err.get("field"))
         raise exc
     manifest = result["manifest"]
     manifest["sandbox"] = result.get("sandbox", {})
-    _validate_outputs(manifest, out_dir)
+    try:
+        _validate_outputs(manifest, out_dir)
+    except errors.FxportError:
+        _count_failure("invalid_output")
+        raise
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     return manifest
 
@@ -378,21 +385,33 @@ def _tail(path: Path, limit: int = 4000) -> str:
     return data.decode("utf-8", "replace")
 
 
+def _count_failure(reason: str) -> None:
+    """fxport_sandbox_failures_total{reason}; metrics are optional where prometheus isn't installed."""
+    try:
+        from fxport.metrics import METRICS
+    except ImportError:
+        return
+    METRICS.record_sandbox_failure(reason)
+
+
 def _death_error(rc: int, stage: str, memory: int, timeout: float, elapsed: float, log: str) -> errors.FxportError:
     if rc < 0:
         sig = signal.Signals(-rc).name
         if -rc == signal.SIGXCPU:
-            why = f"the model used up its {timeout:.0f} s CPU-time limit during {stage}"
+            reason, why = "cpu_time", f"the model used up its {timeout:.0f} s CPU-time limit during {stage}"
         elif -rc in (signal.SIGKILL,) or "MemoryError" in log or "std::bad_alloc" in log:
+            reason = "memory"
             why = f"the model exceeded {memory >> 20} MiB address space during {stage} (killed by {sig})"
         elif -rc == signal.SIGXFSZ:
+            reason = "file_size"
             why = f"the model wrote a file larger than {MAX_FILE_BYTES >> 30} GiB during {stage}"
         else:
-            why = f"the sandbox process died with {sig} during {stage}"
+            reason, why = "signal", f"the sandbox process died with {sig} during {stage}"
     elif "MemoryError" in log or "bad_alloc" in log or "Cannot allocate memory" in log:
-        why = f"the model exceeded {memory >> 20} MiB address space during {stage}"
+        reason, why = "memory", f"the model exceeded {memory >> 20} MiB address space during {stage}"
     else:
-        why = f"the sandbox process exited with status {rc} during {stage}"
+        reason, why = "exit_code", f"the sandbox process exited with status {rc} during {stage}"
+    _count_failure(reason)
     return errors.ResourceLimitExceeded(why, stage=stage, detail=log[-2000:] or None,
                                         hint="raise spec.limits.memory_mb / timeout_s within the server maximum, "
                                         "or check the model")

@@ -79,10 +79,14 @@ class FaultStack:
 
         return Client(self.address, **kw)
 
+    @property
+    def broker_url(self) -> str:
+        return self.env["FXPORT_BROKER_URL"]
+
     def job_store(self):  # noqa: ANN201
         from fxport.jobs import RedisJobStore
 
-        return RedisJobStore(self.redis.url)
+        return RedisJobStore(self.broker_url)
 
     def artifact_store(self):  # noqa: ANN201
         from fxport.storage import S3Store
@@ -125,6 +129,17 @@ def fault_stack(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def side_stack(fault_stack):
+    """A second API on Redis database 1 of the same server (its own queues and job store),
+    same object store, no worker: a test starts the oddly configured worker it needs."""
+    env = {**fault_stack.env, "FXPORT_BROKER_URL": fault_stack.redis.url.rsplit("/", 1)[0] + "/1"}
+    stack = FaultStack(fault_stack.redis, fault_stack.s3, start_api(fault_stack.base, env, name="side-api"), env,
+                       fault_stack.base)
+    yield stack
+    stack.stop()
 
 
 @pytest.fixture(scope="session")
@@ -209,7 +224,7 @@ class QueueControl:
 
 @pytest.fixture()
 def queue_control(fault_stack):
-    control = QueueControl(fault_stack.redis.url)
+    control = QueueControl(fault_stack.broker_url)
     yield control
     # Whatever a test paused takes jobs again (add_consumer on a consuming worker is a no-op).
     alive = [n for n, w in fault_stack.workers.items() if w.alive()]

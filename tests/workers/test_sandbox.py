@@ -32,6 +32,12 @@ class Hostile(torch.nn.Module):
 """
 
 
+def _failures(reason: str) -> float:
+    from fxport.metrics import METRICS
+
+    return METRICS.sandbox_failures_total.labels(reason)._value.get()
+
+
 def hostile_package(tmp_path: Path, name: str, payload: str) -> Path:
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
@@ -92,9 +98,11 @@ def test_unbounded_allocation_hits_the_memory_limit(tmp_path: Path) -> None:
         hog = [bytearray(256 << 20) for _ in range(10_000)]
     """)
     spec = SPEC.model_copy(update={"limits": SPEC.limits.model_copy(update={"memory_mb": 3072})})
+    before = _failures("memory")
     with pytest.raises(ResourceLimitExceeded) as info:
         run_engine_job(model, spec, tmp_path / "out", job_id="t-mem")
     assert "memory" in str(info.value) and info.value.stage == "load"
+    assert _failures("memory") == before + 1  # fxport_sandbox_failures_total{reason="memory"}
 
 
 def test_a_hang_is_killed_at_the_wall_clock_limit(tmp_path: Path) -> None:
@@ -102,8 +110,10 @@ def test_a_hang_is_killed_at_the_wall_clock_limit(tmp_path: Path) -> None:
         import time
         time.sleep(3600)
     """)
+    before = _failures("timeout")
     with pytest.raises(ResourceLimitExceeded) as info:
         run_engine_job(model, SPEC, tmp_path / "out", job_id="t-hang", timeout_s=8)
+    assert _failures("timeout") == before + 1
     assert "8 s wall-clock limit during load" in str(info.value)
 
 
