@@ -46,6 +46,7 @@ __all__ = [
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 CHUNK = 1 << 20
+DOWNLOAD_STREAMS = 4
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 _MAX_MESSAGE = 8 << 20
 
@@ -121,6 +122,8 @@ class Job:
     def __init__(self, client: "Client", message: pb.Job) -> None:
         self._client = client
         self._msg = message
+        # Set by Client.submit: {"sent_bytes": N, "skipped": "cache_hit" | "model_stored" | None}.
+        self.upload: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, state={self.state!r}, stage={self.stage!r})"
@@ -252,9 +255,9 @@ class Job:
         if names is not None and len(wanted) != len(set(names)):
             missing = set(names) - {a["name"] for a in wanted}
             raise JobNotFound(f"job {self.id} has no artifact(s) {sorted(missing)}")
-        written = []
-        for art in wanted:
-            target = dest_dir.joinpath(*_safe_relative(art["name"]).parts)
+        targets = [dest_dir.joinpath(*_safe_relative(art["name"]).parts) for art in wanted]
+
+        def fetch(art: dict[str, Any], target: Path) -> Path:
             for attempt in range(3):
                 try:
                     self._client._download_one(self.id, art, target)
@@ -263,8 +266,15 @@ class Job:
                     if attempt == 2:
                         raise
                     time.sleep(0.5 * (attempt + 1))
-            written.append(target)
-        return written
+            return target
+
+        if len(wanted) <= 1:
+            return [fetch(art, target) for art, target in zip(wanted, targets)]
+        # Several streams at once: the server reads the store while this side hashes and writes.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(DOWNLOAD_STREAMS, len(wanted))) as pool:
+            return list(pool.map(fetch, wanted, targets))
 
 
 @dataclass
@@ -356,12 +366,16 @@ class Client:
         spec: Any = None,
         calibration: str | os.PathLike[str] | None = None,
         idempotency_key: str | None = None,
+        no_cache: bool = False,
     ) -> Job:
-        """Upload a model (+ optional calibration data) with a spec; returns the QUEUED job.
+        """Upload a model (+ optional calibration data) with a spec; returns the QUEUED job, or
+        a SUCCEEDED one with `cache_hit` when the server had the result already.
 
-        `spec`: a mapping, a JobSpec, YAML/JSON text, or a Path to a spec file. A model the
-        server already holds is not uploaded again (CheckUpload). Without `idempotency_key`
-        one is generated, so that retrying after a lost response returns the same job."""
+        `spec`: a mapping, a JobSpec, YAML/JSON text, or a Path to a spec file. The digests and
+        the spec go first (CheckUpload): on a cache hit, or when the server already holds the
+        model, no model bytes are sent (`Job.upload` says which). `no_cache`: convert even if a
+        cached result exists. Without `idempotency_key` one is generated, so that retrying
+        after a lost response returns the same job."""
         model = Path(model_path)
         if not model.is_file():
             raise InvalidInput(f"model file {str(model)!r} not found", field="model")
@@ -372,44 +386,68 @@ class Client:
         model_sha, model_size = _file_digest(model)
         calib_sha, calib_size = _file_digest(calib) if calib else ("", 0)
         check = self._call(self._stub.CheckUpload,
-                           pb.CheckUploadRequest(model_sha256=model_sha, calibration_sha256=calib_sha))
+                           pb.CheckUploadRequest(model_sha256=model_sha, calibration_sha256=calib_sha, spec=text,
+                                                 no_cache=no_cache))
         if check.max_upload_bytes and max(model_size, calib_size) > check.max_upload_bytes:
             big = "model" if model_size >= calib_size else "calibration"
             raise TooLarge(f"{big} is {max(model_size, calib_size)} bytes; the server accepts at most "
                            f"{check.max_upload_bytes} bytes")
+        # A cache hit needs no bytes at all, stored or not.
+        skip = {"model": check.model_present or check.cache_hit,
+                "calibration": check.calibration_present or check.cache_hit}
         header = pb.SubmitHeader(
-            spec=text, idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}",
-            model=pb.FileHeader(filename=model.name, size=model_size, sha256=model_sha, stored=check.model_present),
+            spec=text, idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}", no_cache=no_cache,
+            model=pb.FileHeader(filename=model.name, size=model_size, sha256=model_sha, stored=skip["model"]),
         )
         if calib is not None:
             header.calibration.CopyFrom(pb.FileHeader(filename=calib.name, size=calib_size, sha256=calib_sha,
-                                                      stored=check.calibration_present))
+                                                      stored=skip["calibration"]))
         changed: list[str] = []
+        sent = [0]
 
         def chunks(path: Path, expected: str, kind: str) -> Iterator[pb.SubmitJobRequest]:
             h = hashlib.sha256()
             with open(path, "rb") as f:
                 while data := f.read(self.chunk_size):
                     h.update(data)
+                    sent[0] += len(data)
                     yield pb.SubmitJobRequest(**{kind: data})
             if h.hexdigest() != expected:  # the server refuses it too; say why here
                 changed.append(str(path))
 
         def requests() -> Iterator[pb.SubmitJobRequest]:
             yield pb.SubmitJobRequest(header=header)
-            if not check.model_present:
+            if not header.model.stored:
                 yield from chunks(model, model_sha, "model_chunk")
-            if calib is not None and not check.calibration_present:
+            if calib is not None and not header.calibration.stored:
                 yield from chunks(calib, calib_sha, "calibration_chunk")
 
         try:
-            # A fresh request stream per try; the idempotency key makes a repeat harmless.
-            msg = self._retrying(lambda: self._stub.SubmitJob(requests(), metadata=self._metadata))
+            try:
+                # A fresh request stream per try; the idempotency key makes a repeat harmless.
+                msg = self._retrying(lambda: self._stub.SubmitJob(requests(), metadata=self._metadata))
+            except grpc.RpcError as err:
+                relied_on_cache = check.cache_hit and not (check.model_present and
+                                                           (calib is None or check.calibration_present))
+                if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not relied_on_cache:
+                    raise
+                # The cached result failed its proof check since CheckUpload: send the bytes after all.
+                header.model.stored = check.model_present
+                if calib is not None:
+                    header.calibration.stored = check.calibration_present
+                msg = self._retrying(lambda: self._stub.SubmitJob(requests(), metadata=self._metadata))
         except grpc.RpcError as err:
             if changed:
                 raise InvalidInput(f"{changed[0]} changed while it was being uploaded; submit again") from None
             raise from_rpc_error(err, self.target) from None
-        return Job(self, msg)
+        job = Job(self, msg)
+        reason = None
+        if msg.cache_hit:
+            reason = "cache_hit"
+        elif header.model.stored:
+            reason = "model_stored"
+        job.upload = {"sent_bytes": sent[0], "skipped": reason}
+        return job
 
     def get(self, job_id: str) -> Job:
         return Job(self, self._call(self._stub.GetJob, pb.GetJobRequest(job_id=job_id)))

@@ -149,6 +149,8 @@ def _finish(job: Job, *, out: Optional[Path], as_json: bool) -> int:
         paths = job.download(out)
     if as_json:
         doc = job.to_dict()
+        if job.upload is not None:
+            doc["upload"] = job.upload
         if out is not None:
             doc["downloaded"] = [str(p) for p in paths]
         _emit_json(doc)
@@ -184,6 +186,8 @@ def submit(
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data file."),
     label: Optional[list[str]] = typer.Option(None, "--label", help="KEY=VALUE label on the job (repeatable)."),
     idempotency_key: Optional[str] = typer.Option(None, "--idempotency-key", help="Same key → same job (safe retries)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Convert even if the server has this result cached "
+                                  "(same model, spec and toolchain); the fresh result replaces the cached one."),
     server: str = SERVER,
     token: Optional[str] = TOKEN,
     wait: bool = typer.Option(False, "--wait", help="Wait for the job to finish (implied by --out)."),
@@ -203,11 +207,19 @@ def submit(
         if not model.is_file():
             raise InvalidInput(f"model file {str(model)!r} not found", field="model")
         with Client(server, token=token) as client:
-            job = client.submit(model, data, calibration=calibration, idempotency_key=idempotency_key)
-            _err.print(f"submitted job {job.id}")
+            job = client.submit(model, data, calibration=calibration, idempotency_key=idempotency_key,
+                                no_cache=no_cache)
+            skipped = (job.upload or {}).get("skipped")
+            if skipped == "cache_hit":
+                _err.print(f"cache hit: job {job.id} reuses an earlier identical job's artifacts "
+                           "(model upload skipped; --no-cache converts again)")
+            elif skipped == "model_stored":
+                _err.print(f"model already stored, upload skipped; submitted job {job.id}")
+            else:
+                _err.print(f"submitted job {job.id}")
             if not (wait or out):
                 if as_json:
-                    _emit_json(job.to_dict())
+                    _emit_json({**job.to_dict(), "upload": job.upload})
                 else:
                     print(job.id)
                 return EXIT_OK

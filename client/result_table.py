@@ -38,8 +38,9 @@ def render_manifest(manifest: dict[str, Any], console: Console) -> None:
     checks = {v["format"]: v for v in manifest.get("verification", [])}
 
     table = Table(title="artifacts", show_lines=False)
-    for col in ("format", "path", "size", "sha256", "max |Δ|", "cosine", "shapes", "parity"):
-        table.add_column(col)
+    # the artifact's path names its format; on an 80-column CI log every column must fit unwrapped
+    for col in ("artifact", "size", "sha256", "max |Δ|", "cosine", "shapes", "parity"):
+        table.add_column(col, no_wrap=col != "parity")
     for fmt, art in by_format.items():
         v = checks.get(fmt)
         if v is None:
@@ -47,9 +48,9 @@ def render_manifest(manifest: dict[str, Any], console: Console) -> None:
             cols = ["", "", ""]
         else:
             parity = "[green]pass[/]" if v.get("passed") else f"[red]FAIL[/] {v.get('error', '')}"
-            cols = [f"{v.get('max_abs_diff', 0):.2e}", f"{v.get('cosine', 0):.6f}", str(len(v.get("shapes_checked", [])))]
-        table.add_row(fmt, art["path"], _size(art["bytes"]), art["sha256"][:12] + ("…" if art["files"] == 1 else f" (+{art['files'] - 1})"),
-                      *cols, parity)
+            cols = [f"{v.get('max_abs_diff', 0):.1e}", f"{v.get('cosine', 0):.6f}", str(len(v.get("shapes_checked", [])))]
+        digest = art["sha256"][:10] + ("" if art["files"] == 1 else f" +{art['files'] - 1}")
+        table.add_row(art["path"], _size(art["bytes"]), digest, *cols, parity)
     console.print(table)
     render_quantization(manifest.get("quantization") or {}, console)
     timings = manifest.get("timings_s") or {}
@@ -83,7 +84,8 @@ def render_quantization(quant: dict[str, Any], console: Console) -> None:
     console.print(line)
     layers = sorted(quant.get("layers", []), key=lambda r: r.get("sqnr_db", 0.0))
     if layers:
-        table = Table(title=f"per-layer error on held-out data (worst {min(len(layers), QUANT_ROWS)} of {len(layers)})")
+        console.print(f"per-layer error on held-out data, worst {min(len(layers), QUANT_ROWS)} of {len(layers)} layers:")
+        table = Table()
         for col in ("layer", "SQNR dB", "cosine", "kept as"):
             table.add_column(col)
         for row in layers[:QUANT_ROWS]:

@@ -77,6 +77,27 @@ class Settings(BaseSettings):
         540.0, ge=0, description="Celery worker_soft_shutdown_timeout: on SIGTERM (remapped to SIGQUIT) the running "
         "job gets this long to finish before it is cut and requeued; keep it under the pod's grace period.")
 
+    # Result cache (DESIGN.md §8, fxport/cache.py, deploy/README.md "Result cache").
+    cache_enabled: bool = Field(
+        True, description="Answer a submit whose model, calibration data, spec and worker toolchain match an "
+        "earlier successful job with that job's artifacts (a new SUCCEEDED job marked cache_hit), and skip the "
+        "model upload for it.")
+    cache_share_across_tenants: bool = Field(
+        False, description="Let one tenant's submit be answered from another tenant's cached result (same model "
+        "bytes, spec and toolchain). Off: tenants never see each other's cache entries.")
+    cache_rehash_interval_s: float = Field(
+        3600.0, ge=0, description="A hit re-reads and re-hashes the cached artifacts unless their bytes were "
+        "re-hashed within this long and the objects were not rewritten since (same ETag/Last-Modified or "
+        "inode/mtime); 0 = re-hash on every hit.")
+    cache_max_age_s: float = Field(
+        30 * 24 * 3600.0, ge=0, description="Cache entries not used for this long are evicted; 0 = no age limit.")
+    cache_max_bytes: int = Field(
+        0, ge=0, description="Total artifact bytes the cache entries may point at; past it the least recently used "
+        "entries are evicted; 0 = no size limit.")
+    cache_sweep_interval_s: float = Field(
+        3600.0, ge=0, description="How often the API server applies cache_max_age_s and cache_max_bytes; 0 = never "
+        "(call fxport.cache.ResultCache.sweep yourself).")
+
     @model_validator(mode="after")
     def _lease_expires_before_redelivery(self) -> "Settings":
         # A redelivered job must find a dead worker's lease already expired, or it waits once more.

@@ -308,6 +308,21 @@ class JobStore(ABC):
         """Ids of RUNNING jobs (the orphan sweeper's candidates)."""
         return self.ids_in_states([JobState.RUNNING])
 
+    def count_recent_in_states(self, tenant: str, states: Iterable[JobState], newest: int) -> int:
+        """How many of `tenant`'s `newest` jobs are in one of `states` (per-tenant admission on every
+        submit: the backends answer it without reading whole records)."""
+        wanted, n, seen, before = set(states), 0, 0, None
+        while seen < newest:
+            ids = self._ids_desc(tenant, before, min(500, newest - seen))
+            for job_id in ids:
+                rec = self.get(job_id)
+                n += rec is not None and rec.state in wanted
+            seen += len(ids)
+            if not ids:
+                break
+            before = ids[-1]
+        return n
+
     # -- job leases (DESIGN.md §7): at most one live worker runs a job -----------------------
     # A worker takes the lease before it starts a job and renews it while the job runs; a
     # redelivered copy of the job finds it held and waits. The lease expires on its own when
@@ -561,6 +576,17 @@ class RedisJobStore(JobStore):
         # An index kept by `transition`, so a sweep does not scan every job ever run.
         return sorted(self.r.smembers(self._running()))
 
+    def count_recent_in_states(self, tenant: str, states: Iterable[JobState], newest: int) -> int:
+        ids = self.r.zrevrangebylex(self._tenant_jobs(tenant), "+", "-", start=0, num=newest)
+        if not ids:
+            return 0
+        with self.r.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(self._job(job_id), "state")
+            found = pipe.execute()
+        wanted = {s.value for s in states}
+        return sum(1 for state in found if state in wanted)
+
     def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
         holder = self._acquire(keys=[self._lease(job_id), self._heartbeat(job_id)],
                                args=[owner, max(1, int(ttl_s * 1000)), self.HEARTBEAT_KEEP_S])
@@ -698,6 +724,15 @@ class SqliteJobStore(JobStore):
                 f"SELECT id FROM jobs WHERE state IN ({','.join('?' * len(wanted))}) ORDER BY id", wanted
             ).fetchall()
         return [r[0] for r in rows]
+
+    def count_recent_in_states(self, tenant: str, states: Iterable[JobState], newest: int) -> int:
+        wanted = [s.value for s in states]
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT COUNT(*) FROM (SELECT state FROM jobs WHERE tenant=? ORDER BY id DESC LIMIT ?) "
+                f"WHERE state IN ({','.join('?' * len(wanted))})", (tenant, int(newest), *wanted)
+            ).fetchone()
+        return int(row[0])
 
     def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
         now = time.time()

@@ -118,6 +118,29 @@ class OrphanSweeper:
                 log.warning("orphan sweep failed: %s", exc)
 
 
+def _add_cache_and_metrics(settings: Settings, servicer: ConversionServicer, on_start: list[Callable[[], Any]],
+                           on_stop: list[Callable[[], Any]], before_stop: list[Callable[[], Any]]) -> None:
+    """The result cache's eviction sweep and the Prometheus endpoint (FXPORT_METRICS_PORT)."""
+    if settings.cache_enabled and settings.cache_sweep_interval_s > 0 and (settings.cache_max_age_s
+                                                                           or settings.cache_max_bytes):
+        from fxport.cache import CacheSweeper
+
+        sweeper = CacheSweeper(servicer.cache, settings.cache_sweep_interval_s)
+        on_start.append(sweeper.start)
+        before_stop.append(sweeper.stop)
+    if servicer.toolchains is not None:
+        on_stop.append(servicer.toolchains.close)
+    if settings.metrics_port is not None:
+        from fxport.metrics import start_metrics_server
+
+        # A server that listens on loopback only keeps its metrics there too.
+        host = settings.listen.rsplit(":", 1)[0].strip("[]")
+        addr = host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
+        box: list[Any] = []
+        on_start.append(lambda: box.append(start_metrics_server(settings.metrics_port, addr=addr)[0]))
+        on_stop.append(lambda: [m.shutdown() for m in box])
+
+
 def create_server(
     settings: Settings | None = None,
     *,
@@ -164,6 +187,7 @@ def create_server(
     )
     servicer = ConversionServicer(settings, jobs, artifacts, dispatcher, tenant_of=tenant_of)
     before_stop.insert(0, servicer.stopping.set)
+    _add_cache_and_metrics(settings, servicer, on_start, on_stop, before_stop)
     pb_grpc.add_ConversionServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

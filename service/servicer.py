@@ -10,13 +10,15 @@ from typing import Any, Callable, Iterable, Iterator, NoReturn
 
 import grpc
 
+from fxport.cache import Lookup, ResultCache, wants_engine
 from fxport.config import Settings
 from fxport.errors import SpecError
 from fxport.jobs import (
     IdempotencyConflict, InputRef, JobErrorInfo, JobRecord, JobState, JobStore, new_job_id,
 )
 from fxport.logs import job_context
-from fxport.spec import load_spec_text, parse_spec
+from fxport.metrics import METRICS
+from fxport.spec import JobSpec, load_spec_text, parse_spec
 from fxport.storage import (
     JOB_ID_RE, SHA256_RE, ArtifactStore, ObjectNotFound, StorageError, input_key, job_prefix,
 )
@@ -30,10 +32,24 @@ from fxport.service.uploads import SpooledFile, SpooledUpload, UploadRejected, c
 
 log = logging.getLogger(__name__)
 
+STREAM_TO_STORE_BYTES = 16 << 20  # smaller models go up in one request after the upload
 WATCH_POLL_S = 1.0  # how long one blocking read waits before re-checking the client is still there
 DEFAULT_URL_EXPIRY_S = 900
 MAX_URL_EXPIRY_S = 7 * 24 * 3600
 MAX_IDEMPOTENCY_KEY = 256
+
+
+def _toolchain_source(settings: Settings) -> Any:
+    """Embedded: this process runs the jobs, so its own versions. Distributed: what the
+    workers published in Redis (the API image has no torch). None: no Redis to read it from."""
+    from fxport.toolchain import LocalToolchains, PublishedToolchains
+
+    if settings.embedded:
+        return LocalToolchains()
+    url = settings.job_store_url() or settings.broker_url or ""
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return PublishedToolchains(url)
+    return None
 
 
 def abort_invalid_spec(context: grpc.ServicerContext, err: SpecError) -> NoReturn:
@@ -59,6 +75,8 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         artifacts: ArtifactStore,
         dispatcher: Dispatcher,
         tenant_of: Callable[[grpc.ServicerContext], str] = current_tenant,
+        cache: ResultCache | None = None,
+        toolchains: Any = None,
     ) -> None:
         self.settings = settings
         self.jobs = jobs
@@ -67,6 +85,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         self.tenant_of = tenant_of
         self.stopping = threading.Event()  # set when the server stops: open WatchJob streams end
         self.in_flight = InFlightLimit(jobs, settings.max_jobs_in_flight)
+        self.cache = cache if cache is not None else ResultCache.from_settings(artifacts, settings)
+        # Where the workers' toolchain fingerprint comes from (fxport/toolchain.py).
+        self.toolchains = toolchains if toolchains is not None else _toolchain_source(settings)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -89,9 +110,75 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                           "send the bytes")
         return InputRef(sha256=meta.sha256, bytes=meta.bytes, filename=header.filename, key=key)
 
+    def _cache_lookup(self, tenant: str, model_sha256: str, calibration_sha256: str | None, spec: JobSpec,
+                      *, prove: bool) -> Lookup:
+        """The cached result for these inputs, spec and the workers' current toolchain (if any)."""
+        from fxport.toolchain import job_fingerprint
+
+        if not self.cache.enabled or self.toolchains is None:
+            return Lookup(None, reason="cache off")
+        engine = wants_engine(spec)
+        fingerprint = job_fingerprint(self.toolchains.get("cpu"), self.toolchains.get("gpu") if engine else None,
+                                      engine=engine)
+        key = self.cache.key_for(tenant, model_sha256, calibration_sha256, spec, fingerprint)
+        try:
+            return self.cache.lookup(key, prove=prove)
+        except StorageError as exc:  # a store hiccup costs the hit, not the submit
+            log.warning("cache lookup failed: %s", exc)
+            return Lookup(key, reason=f"lookup failed: {exc}")
+
+    def _answer_from_cache(self, tenant: str, spec: JobSpec, header: pb.SubmitHeader, found: Lookup,
+                           idempotency_key: str | None, context: grpc.ServicerContext) -> pb.Job:
+        """A new job in the caller's tenant, SUCCEEDED at once, pointing at the cached artifacts."""
+        entry = found.entry
+        assert entry is not None
+        now = time.time()
+        calibration = None
+        if entry.calibration_sha256:
+            calibration = InputRef(sha256=entry.calibration_sha256, bytes=entry.calibration_bytes,
+                                   filename=header.calibration.filename,
+                                   key=input_key(tenant, entry.calibration_sha256))
+        source = f" of job {entry.job_id}" if entry.tenant == tenant else ""
+        rec = JobRecord(
+            id=new_job_id(now), tenant=tenant, state=JobState.SUCCEEDED, progress=1.0,
+            message=f"cache hit: the artifacts{source}, proof-checked", spec=spec.normalized(),
+            spec_digest=spec.digest(), labels=spec.labels,
+            model=InputRef(sha256=entry.model_sha256, bytes=entry.model_bytes, filename=header.model.filename,
+                           key=input_key(tenant, entry.model_sha256)),
+            calibration=calibration, artifacts=entry.artifacts, cache_hit=True, idempotency_key=idempotency_key,
+            created_at=now, updated_at=now, started_at=now, finished_at=now,
+        )
+        try:
+            rec, _ = self.jobs.create(rec)
+        except IdempotencyConflict as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        METRICS.cache_hits_total.inc()
+        with job_context(rec.id):
+            log.info("job answered from the cache", extra={"tenant": tenant, "cache_key": found.key,
+                                                          "check_s": round(found.check_s, 4),
+                                                          "rehashed_bytes": found.rehashed_bytes})
+        return job_to_proto(rec)
+
+    def _model_mirror(self, tenant: str, header: pb.FileHeader) -> Any:
+        """A large model with a declared digest that the store lacks goes on to the store while
+        it arrives (S3 multipart), instead of after: None where that does not apply."""
+        if header.stored or not header.sha256 or header.size < STREAM_TO_STORE_BYTES:
+            return None
+        stream_upload = getattr(self.artifacts, "stream_upload", None)
+        if stream_upload is None:
+            return None
+        try:
+            key = input_key(tenant, header.sha256)
+            return None if self.artifacts.head(key) is not None else stream_upload(key, header.sha256)
+        except StorageError as exc:  # the ordinary path after the upload retries on its own
+            log.warning("cannot stream the model to the store: %s", exc)
+            return None
+
     def _store_input(self, tenant: str, spooled: SpooledFile) -> InputRef:
         key = input_key(tenant, spooled.sha256)
-        if self.artifacts.head(key) is None:  # content-addressed: the same bytes are stored once
+        if spooled.stored is not None and spooled.stored.key == key:
+            pass  # streamed to the store as it arrived, digest checked
+        elif self.artifacts.head(key) is None:  # content-addressed: the same bytes are stored once
             self.artifacts.put_file(key, spooled.path, sha256=spooled.sha256)
         return InputRef(sha256=spooled.sha256, bytes=spooled.size, filename=spooled.filename, key=key)
 
@@ -132,15 +219,29 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                     log.info("idempotent resubmit", extra={"job_id": existing.id})
                     return job_to_proto(existing)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(IdempotencyConflict(existing)))
+        # 3. The result cache, before any byte moves, when the header names the inputs' digests.
+        calib_sha = header.calibration.sha256 if header.HasField("calibration") else None
+        use_cache = not header.no_cache and (not header.HasField("calibration") or bool(calib_sha))
+        if use_cache and header.model.sha256:
+            found = self._cache_lookup(tenant, header.model.sha256, calib_sha, spec, prove=True)
+            if found.hit:
+                return self._answer_from_cache(tenant, spec, header, found, key, context)
+            use_cache = False  # looked up and missed: not again after the upload
         # A tenant at its in-flight limit is refused before any byte moves (and again at create).
         self.in_flight.check(tenant, context)
-        # 3. Bytes: spooled to disk, checked, stored content-addressed.
+        # 4. Bytes: spooled to disk, checked, stored content-addressed.
         started = time.monotonic()
         with SpooledUpload(self.settings.spool_dir, self.settings.max_upload_bytes) as upload:
             try:
-                model_file, calib_file = upload.receive(header, requests)
+                model_file, calib_file = upload.receive(header, requests, self._model_mirror(tenant, header.model))
             except UploadRejected as rej:
                 context.abort(rej.code, rej.message)
+            if use_cache and model_file is not None:  # a client that did not send the digest first
+                found = self._cache_lookup(tenant, model_file.sha256, calib_file.sha256 if calib_file else calib_sha,
+                                           spec, prove=True)
+                if found.hit:
+                    return self._answer_from_cache(tenant, spec, header, found, key, context)
+            received_s = time.monotonic() - started
             try:
                 model = (self._store_input(tenant, model_file) if model_file
                          else self._stored_input(tenant, "model", header.model, context))
@@ -153,7 +254,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 log.error("object store failure during submit: %s", exc)
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"object store unavailable, try again: {exc}")
         upload_s = time.monotonic() - started
-        # 4. The record, then the queue.
+        if self.cache.enabled and not header.no_cache:
+            METRICS.cache_misses_total.inc()
+        # 5. The record, then the queue.
         job_id = new_job_id()
         rec = JobRecord(
             id=job_id, tenant=tenant, spec=spec.normalized(), spec_digest=spec.digest(), labels=spec.labels,
@@ -175,7 +278,8 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                     stage="submit", code="enqueue_failed", message=f"could not queue the job: {exc}"))
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"job queue unavailable, try again: {exc}")
             log.info("job submitted", extra={"tenant": tenant, "model_bytes": model.bytes,
-                                             "upload_s": round(upload_s, 3), "targets": ",".join(spec.targets)})
+                                             "upload_s": round(upload_s, 3), "received_s": round(received_s, 3),
+                                             "targets": ",".join(spec.targets)})
         return job_to_proto(rec)
 
     def CheckUpload(self, request: pb.CheckUploadRequest, context: grpc.ServicerContext) -> pb.CheckUploadResponse:
@@ -188,6 +292,17 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             if not SHA256_RE.match(sha):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected 64 lowercase hex digits")
             setattr(out, present, self.artifacts.exists(input_key(tenant, sha)))
+        if request.model_sha256 and not request.no_cache:
+            if len(request.spec.encode()) > self.settings.max_spec_bytes:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"spec is {len(request.spec.encode())} bytes; the limit is {self.settings.max_spec_bytes}")
+            try:
+                spec = parse_spec(load_spec_text(request.spec, source="spec"))
+            except SpecError as err:
+                abort_invalid_spec(context, err)
+            # The cheap half of the proof (sizes and recorded digests): SubmitJob does the rest.
+            out.cache_hit = self._cache_lookup(tenant, request.model_sha256, request.calibration_sha256 or None, spec,
+                                               prove=False).hit
         return out
 
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.Job:

@@ -10,18 +10,21 @@ caller then stores the files content-addressed under `{tenant}/inputs/{sha256}`.
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import grpc
 
+from fxport.metrics import METRICS
 from fxport.storage import SHA256_RE
 from fxport.v1 import conversion_pb2 as pb
 
 
+log = logging.getLogger(__name__)
 MAX_FILENAME = 255  # informational only (the engine detects formats by content), but stored on the job
 
 
@@ -38,6 +41,7 @@ class SpooledFile:
     size: int
     sha256: str
     filename: str
+    stored: Any = None  # StoredObject: already in the store, streamed there while it arrived
 
 
 def check_header(what: str, header: pb.FileHeader, max_bytes: int) -> None:
@@ -60,14 +64,21 @@ def check_header(what: str, header: pb.FileHeader, max_bytes: int) -> None:
 
 
 class _Sink:
-    def __init__(self, what: str, header: pb.FileHeader, directory: Path, max_bytes: int) -> None:
+    """One file of the upload: spooled to disk while hashed and counted; with a `mirror` (a
+    store's stream upload under the declared digest), also sent on to the store as it arrives.
+    The mirror is only a shortcut: it completes only if the bytes hash to the declared digest,
+    and on any trouble it is dropped and the spool file is stored the ordinary way."""
+
+    def __init__(self, what: str, header: pb.FileHeader, directory: Path, max_bytes: int, mirror: Any = None) -> None:
         self.what, self.header, self.max_bytes = what, header, max_bytes
         self.path = directory / what
         self.file = open(self.path, "wb")
         self.hash = hashlib.sha256()
         self.size = 0
+        self.mirror = mirror
 
     def write(self, chunk: bytes) -> None:
+        METRICS.upload_bytes_total.labels(self.what).inc(len(chunk))  # every byte that arrived, kept or not
         self.size += len(chunk)
         if self.size > self.max_bytes:
             raise UploadRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -77,6 +88,17 @@ class _Sink:
                                  f"{self.what} upload is longer than the {self.header.size} bytes its header declared")
         self.hash.update(chunk)
         self.file.write(chunk)
+        if self.mirror is not None:
+            try:
+                self.mirror.write(chunk)
+            except Exception as exc:
+                log.warning("streaming the %s to the store failed; it is stored after the upload: %s", self.what, exc)
+                self.drop_mirror()
+
+    def drop_mirror(self) -> None:
+        if self.mirror is not None:
+            mirror, self.mirror = self.mirror, None
+            mirror.abort()
 
     def finish(self) -> SpooledFile:
         self.file.close()
@@ -89,7 +111,15 @@ class _Sink:
         if self.header.sha256 and digest != self.header.sha256:
             raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"{self.what} upload corrupted in transit: sha256 {digest} != declared {self.header.sha256}")
-        return SpooledFile(self.path, self.size, digest, self.header.filename)
+        stored = None
+        if self.mirror is not None and digest == self.mirror.sha256:
+            try:
+                stored = self.mirror.complete()
+                self.mirror = None
+            except Exception as exc:
+                log.warning("streaming the %s to the store failed; storing it now: %s", self.what, exc)
+        self.drop_mirror()
+        return SpooledFile(self.path, self.size, digest, self.header.filename, stored)
 
 
 class SpooledUpload:
@@ -111,11 +141,12 @@ class SpooledUpload:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def receive(
-        self, header: pb.SubmitHeader, rest: Iterator[pb.SubmitJobRequest]
+        self, header: pb.SubmitHeader, rest: Iterator[pb.SubmitJobRequest], model_mirror: Any = None
     ) -> tuple[SpooledFile | None, SpooledFile | None]:
+        """`model_mirror`: a store stream upload the model's bytes also go to as they arrive."""
         assert self.dir is not None
         has_calib = header.HasField("calibration")
-        model = None if header.model.stored else _Sink("model", header.model, self.dir, self.max_bytes)
+        model = None if header.model.stored else _Sink("model", header.model, self.dir, self.max_bytes, model_mirror)
         calib = (_Sink("calibration", header.calibration, self.dir, self.max_bytes)
                  if has_calib and not header.calibration.stored else None)
         phase = "model"
@@ -138,5 +169,7 @@ class SpooledUpload:
             return (model.finish() if model else None), (calib.finish() if calib else None)
         finally:
             for sink in (model, calib):
-                if sink is not None and not sink.file.closed:
-                    sink.file.close()
+                if sink is not None:
+                    sink.drop_mirror()  # a refused upload leaves nothing in the store
+                    if not sink.file.closed:
+                        sink.file.close()

@@ -52,7 +52,9 @@ def distributed_stack(tmp_path_factory, redis_server, s3_server):
 @pytest.fixture(scope="session")
 def embedded_server(tmp_path_factory):
     base = tmp_path_factory.mktemp("embedded")
-    server = start_api(base, {"FXPORT_HOME": str(base / "home"), "FXPORT_SANDBOX_THREADS": "1"}, name="embedded")
+    # Result-cache lookups off: tests must not answer each other's jobs (tests/service/test_cache.py tests them).
+    server = start_api(base, {"FXPORT_HOME": str(base / "home"), "FXPORT_SANDBOX_THREADS": "1",
+                              "FXPORT_CACHE_ENABLED": "false"}, name="embedded")
     yield server
     server.stop()
 

@@ -133,3 +133,85 @@ def test_job_ids_sort_by_time_and_tokens_roundtrip():
     from fxport.jobs import _encode_token
 
     assert decode_page_token(_encode_token(a)) == a
+
+
+def test_fenced_updates_apply_only_to_their_attempt(jobs):
+    rec, _ = jobs.create(record())
+    jobs.transition(rec.id, state=JobState.RUNNING, new_attempt=True, worker="w1")
+    jobs.transition(rec.id, state=JobState.RUNNING, new_attempt=True, worker="w2")  # a redelivery took over
+    stale, changed = jobs.transition(rec.id, state=JobState.SUCCEEDED, expect_attempt=1)
+    assert not changed and stale.state is JobState.RUNNING
+    now, changed = jobs.transition(rec.id, stage="export", expect_attempt=2, expect_state=JobState.RUNNING)
+    assert changed and now.stage == "export"
+    _, changed = jobs.transition(rec.id, state=JobState.QUEUED, expect_state=JobState.QUEUED)
+    assert not changed
+    # Events say which attempt (and worker) wrote them.
+    assert [(e.attempt, e.worker) for e in jobs.read_events(rec.id, 0)] == [
+        (0, None), (1, "w1"), (2, "w2"), (2, "w2")]
+
+
+def test_job_lease_is_exclusive_renewable_and_expires(jobs):
+    job_id = new_job_id()
+    assert jobs.acquire_lease(job_id, "a", 0.5) is None
+    assert jobs.acquire_lease(job_id, "a", 0.5) is None  # already ours: fine
+    assert jobs.acquire_lease(job_id, "b", 0.5) == "a"
+    assert jobs.lease_holder(job_id) == "a" and jobs.last_heartbeat(job_id) is not None
+    beat = jobs.last_heartbeat(job_id)
+    time.sleep(0.3)
+    assert jobs.renew_lease(job_id, "a", 0.5) and not jobs.renew_lease(job_id, "b", 0.5)
+    assert jobs.last_heartbeat(job_id) > beat
+    time.sleep(0.3)
+    assert jobs.lease_holder(job_id) == "a"  # renewed: not expired at 0.6 s
+    time.sleep(0.4)
+    assert jobs.lease_holder(job_id) is None  # expired: its holder stopped renewing
+    assert not jobs.renew_lease(job_id, "a", 0.5)
+    assert jobs.acquire_lease(job_id, "b", 0.5) is None
+    assert not jobs.release_lease(job_id, "a") and jobs.release_lease(job_id, "b")
+    assert jobs.lease_holder(job_id) is None and abs(jobs.clock() - time.time()) < 5
+
+
+def test_sweep_orphans_requeues_or_fails_only_silent_unleased_running_jobs(jobs):
+    from fxport.jobs import sweep_orphans
+
+    old = time.time() - 600
+
+    def running(attempts: int = 1, stage: str = "export", at: float = old) -> str:
+        rec, _ = jobs.create(record())
+        for _ in range(attempts):
+            jobs.transition(rec.id, state=JobState.RUNNING, stage=stage, new_attempt=True, worker="gone:1", now=at)
+        return rec.id
+
+    orphan, exhausted, recent, leased, waiting_gpu = (
+        running(), running(attempts=3), running(at=time.time()), running(), running(stage="tensorrt"))
+    queued, _ = jobs.create(record())
+    jobs.acquire_lease(leased, "alive:2", 30)
+    requeued: list[str] = []
+    result = sweep_orphans(jobs, requeued.append, orphan_after_s=60)
+    assert result.requeued == requeued == [orphan] and result.failed == [exhausted]
+    assert jobs.get(orphan).state is JobState.QUEUED and jobs.get(orphan).message.startswith("requeued: its worker gone:1")
+    failed = jobs.get(exhausted)
+    assert failed.state is JobState.FAILED and failed.error.code == "worker_lost" and "3 times" in failed.error.message
+    for untouched in (recent, leased, waiting_gpu):
+        assert jobs.get(untouched).state is JobState.RUNNING
+    assert jobs.get(queued.id).state is JobState.QUEUED
+    # A second sweeper at the same moment does nothing twice.
+    assert sweep_orphans(jobs, requeued.append, orphan_after_s=60).requeued == []
+    assert set(jobs.running_ids()) == {recent, leased, waiting_gpu}
+
+
+def test_count_recent_in_states_reads_only_the_newest(jobs):
+    """What per-tenant admission asks on every submit (service/limits.py)."""
+    made = []
+    for i in range(6):
+        rec, _ = jobs.create(record(tenant="counted"))
+        made.append(rec.id)
+        time.sleep(0.002)  # distinct milliseconds: ids sort by creation time
+    jobs.transition(made[0], state=JobState.RUNNING)
+    jobs.transition(made[4], state=JobState.FAILED)
+    jobs.transition(made[5], state=JobState.RUNNING)
+    jobs.create(record(tenant="someone-else"))
+    in_flight = (JobState.QUEUED, JobState.RUNNING)
+    assert jobs.count_recent_in_states("counted", in_flight, 1000) == 5
+    assert jobs.count_recent_in_states("counted", in_flight, 2) == 1  # made[5] RUNNING, made[4] FAILED
+    assert jobs.count_recent_in_states("counted", [JobState.FAILED], 1000) == 1
+    assert jobs.count_recent_in_states("nobody", in_flight, 1000) == 0

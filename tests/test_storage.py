@@ -137,3 +137,48 @@ def test_open_store_urls(tmp_path):
     assert isinstance(s3, S3Store) and s3.bucket == "bucket" and s3.prefix == "some/prefix/"
     with pytest.raises(Exception, match="s3://BUCKET"):
         open_store("ftp://x")
+
+
+def test_s3_unreachable_past_the_retry_budget_names_endpoint_tries_and_time(tmp_path, monkeypatch):
+    import re
+    import time
+
+    from fxport.storage import StoreUnreachable
+    from tests.fixtures.servers import free_port
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    dead = f"http://127.0.0.1:{free_port()}"
+    store = S3Store("bucket", "p", endpoint_url=dead, retry_s=1.5)
+    src = tmp_path / "m"
+    src.write_bytes(b"x")
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable) as err:
+        store.put_file(input_key("default", SHA), src)
+    took = time.monotonic() - t0
+    m = re.search(r"unreachable at (\S+) after (\d+) attempts over ([\d.]+) s", str(err.value))
+    assert m and m.group(1) == dead and int(m.group(2)) >= 3 and float(m.group(3)) <= 1.5
+    assert 0.5 < took < 4
+    assert err.value.code == "store_unreachable"
+
+
+def test_only_connection_failures_and_5xx_are_retried():
+    from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    from fxport.storage import _transient
+
+    def client_error(status: int, code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert _transient(EndpointConnectionError(endpoint_url="http://x"))
+    assert _transient(client_error(503, "SlowDown")) and _transient(client_error(500, "InternalError"))
+    assert not _transient(client_error(403, "AccessDenied")) and not _transient(client_error(404, "NoSuchKey"))
+    try:  # boto3's transfer manager wraps the ClientError
+        try:
+            raise client_error(503, "ServiceUnavailable")
+        except ClientError as inner:
+            raise S3UploadFailedError("Failed to upload") from inner
+    except S3UploadFailedError as wrapped:
+        assert _transient(wrapped)
+    assert not _transient(ValueError("bad argument"))

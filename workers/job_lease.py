@@ -173,5 +173,13 @@ class AttemptFence:
         self._check(prefix)
         return self._target.delete_prefix(prefix)
 
+    def delete_object(self, key: str) -> Any:
+        self._check(key)
+        return self._target.delete_object(key)
+
+    def delete_object(self, key: str) -> None:
+        self._check(key)
+        self._target.delete_object(key)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)

@@ -34,12 +34,15 @@ from fxport.errors import FxportError, JobCancelled
 from fxport.jobs import ArtifactRecord, JobErrorInfo, JobRecord, JobState, JobStore
 from fxport.logs import job_context
 from fxport.spec import JobSpec, parse_spec
-from fxport.storage import ArtifactStore, StorageError, artifact_key, check_artifact_name, job_prefix
+from fxport.toolchain import local_toolchain
+from fxport.storage import ArtifactStore, StorageError, StoredObject, artifact_key, check_artifact_name, job_prefix
+from fxport.workers.artifact_upload import EarlyUpload
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # a job that kills its worker this many times fails instead of looping
 CANCEL_POLL_S = 0.5
+PROGRESS_EVERY_S = 0.25  # progress events within one stage, at most this often per job
 _KEEP_ON_FAILURE = ("manifest.json", "report.html")  # what a failed job still publishes
 
 
@@ -74,7 +77,8 @@ class WorkerContext:
             engine = run_engine_job
         params = inspect.signature(engine).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            for optional in ("cancel_event", "deferred_targets", "timing_cache_path"):  # newer than some engines
+            for optional in ("cancel_event", "deferred_targets", "timing_cache_path",
+                             "input_sha256"):  # newer than some engines
                 if optional in kwargs and optional not in params:
                     kwargs.pop(optional)
         return engine(*args, **kwargs)
@@ -97,10 +101,19 @@ def artifact_format(name: str, manifest_formats: dict[str, str]) -> str:
 
 
 def upload_outputs(
-    ctx: WorkerContext, rec: JobRecord, out_dir: Path, manifest: dict[str, Any] | None, only: tuple[str, ...] | None = None
+    ctx: WorkerContext, rec: JobRecord, out_dir: Path, manifest: dict[str, Any] | None, only: tuple[str, ...] | None = None,
+    early: dict[str, StoredObject] | None = None,
 ) -> list[ArtifactRecord]:
-    """Upload every regular file under out_dir (name = relative path); symlinks are refused."""
+    """Upload every regular file under out_dir (name = relative path); symlinks are refused.
+
+    `early`: what an EarlyUpload already stored (workers/artifact_upload.py). One is kept when
+    its digest is the file's: the manifest's, which the sandbox validated against the file
+    (`ctx.engine` unset: run_engine_job), or else the file's digest now."""
+    from fxport.storage import sha256_file
+
     formats = {a.get("path"): a.get("format") for a in (manifest or {}).get("artifacts", []) if a.get("path")}
+    validated = {a.get("path"): a.get("sha256") for a in (manifest or {}).get("artifacts", [])} if ctx.engine is None else {}
+    early = dict(early or {})
     uploaded = []
     for path in sorted(out_dir.rglob("*")):
         if path.is_symlink():
@@ -112,9 +125,15 @@ def upload_outputs(
         if only is not None and name not in only:
             continue
         key = artifact_key(rec.tenant, rec.id, check_artifact_name(name))
-        stored = ctx.artifacts.put_file(key, path)
+        before = early.pop(name, None)
+        if before is not None and before.sha256 == (validated.get(name) or sha256_file(path)[0]):
+            stored = before
+        else:
+            stored = ctx.artifacts.put_file(key, path)
         uploaded.append(ArtifactRecord(name=name, format=artifact_format(name, formats), key=key,
                                        bytes=stored.bytes, sha256=stored.sha256))
+    for gone in early.values():  # uploaded early, no longer an output
+        ctx.artifacts.delete_object(gone.key)
     return uploaded
 
 
@@ -272,12 +291,22 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         ctx.jobs.transition(job_id, message="; ".join(clamped))
 
     cancel = _CancelWatch(ctx, job_id)
+    early: list[EarlyUpload] = []  # set once out_dir exists
+    written = {"at": time.monotonic()}
 
     def on_progress(event: dict[str, Any]) -> None:
         stage = event.get("stage") or current["stage"]
+        new_stage = stage != current["stage"]
         current["stage"] = stage
         if cancel.event.is_set():
             return
+        if stage in ("export", "verify") and early:  # artifacts written so far go up while the engine works on
+            early[0].offer()
+        # A new stage is recorded at once; progress within a stage at most every PROGRESS_EVERY_S
+        # (each record update is a read-modify-write of the whole record in the job store).
+        if not new_stage and time.monotonic() - written["at"] < PROGRESS_EVERY_S:
+            return
+        written["at"] = time.monotonic()
         ctx.jobs.transition(job_id, stage=stage, progress=event.get("progress"), message=event.get("message"))
 
     work_parent = ctx.settings.work_dir
@@ -287,6 +316,7 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         tmp = Path(tmp_str)
         out_dir = tmp / "out"
         out_dir.mkdir()
+        early.append(EarlyUpload(ctx.artifacts, rec.tenant, rec.id, out_dir, tmp / "spool"))
         manifest: dict[str, Any] | None = None
         try:
             if redelivered:
@@ -302,13 +332,15 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
                 model_path, spec, out_dir, job_id=job_id, calibration_path=calibration_path,
                 on_progress=on_progress, timeout_s=timeout, cancel_event=cancel.event,
                 deferred_targets=("tensorrt",) if wants_trt else (),
+                input_sha256=rec.model.sha256,  # `get` just checked the bytes against it
             )
             if cancel.event.is_set():
                 raise JobCancelled("cancelled by request", stage=current["stage"])
             current["stage"] = "upload"
             ctx.jobs.transition(job_id, stage="upload", message="uploading artifacts")
-            artifacts = upload_outputs(ctx, rec, out_dir, manifest)
+            artifacts = upload_outputs(ctx, rec, out_dir, manifest, early=early[0].wait())
         except StorageError as exc:
+            early[0].abandon()
             if _was_cancelled(ctx, job_id, cancel):
                 return _cancelled_cleanup(ctx, rec)
             if not final_attempt:
@@ -316,6 +348,7 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
                 raise RetryLater(str(exc)) from exc
             return _fail(ctx, job_id, current["stage"], exc.code, f"object store failure: {exc}")
         except Exception as exc:  # every failure ends as a FAILED record naming its stage
+            early[0].abandon()
             if ctx.stopping.is_set():
                 log.info("job interrupted by shutdown; it will re-run on the next start")
                 return ctx.jobs.get(job_id)
@@ -336,11 +369,38 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         elif changed:
             return _fail(ctx, job_id, "tensorrt", "no_gpu_queue", "no GPU stage is configured for TensorRT")
         return rec
+    # The cache entry goes first: a client told SUCCEEDED may resubmit at once and must hit.
+    cached = _remember(ctx, rec, artifacts, local_toolchain())
     rec, changed = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
+    if not changed:
+        _forget(ctx, cached)
     if not changed and rec is not None and rec.state is JobState.CANCELLED:
         return _cancelled_cleanup(ctx, rec)
     log.info("job succeeded", extra={"artifacts": len(artifacts)})
     return rec
+
+
+def _remember(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord],
+              cpu_toolchain: dict[str, Any] | None) -> str | None:
+    """Write the result cache entry of a job about to be SUCCEEDED with `artifacts`, keyed with
+    the toolchain that made them. Returns its key (None: not cached)."""
+    from fxport.cache import remember_job_result
+    from fxport.toolchain import job_fingerprint
+
+    if not ctx.settings.cache_enabled:
+        return None
+    engine = "tensorrt" in rec.spec.get("targets", ())
+    fingerprint = job_fingerprint(cpu_toolchain, local_toolchain(gpu=True) if engine else None, engine=engine)
+    return remember_job_result(ctx.artifacts, ctx.settings, rec.model_copy(update={"artifacts": artifacts}),
+                               fingerprint)
+
+
+def _forget(ctx: WorkerContext, key: str | None) -> None:
+    """The job did not become SUCCEEDED after all (cancelled meanwhile): no entry for it."""
+    if key is not None:
+        from fxport.cache import ResultCache
+
+        ResultCache(ctx.artifacts).drop(key)
 
 
 def _was_cancelled(ctx: WorkerContext, job_id: str, cancel: _CancelWatch) -> bool:
@@ -437,7 +497,11 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
             _merge_failed_manifest(cpu_manifest, out_dir / "manifest.json")
             return _failure_from(ctx, rec, exc, "tensorrt", out_dir)
     artifacts = list({**earlier, **new}.values())
-    rec, _ = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
+    # The CPU part's versions are the CPU stage's, as its manifest records them.
+    cached = _remember(ctx, rec, artifacts, (cpu_manifest or {}).get("toolchain"))
+    rec, changed = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
+    if not changed:
+        _forget(ctx, cached)
     return rec
 
 

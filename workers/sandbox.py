@@ -217,12 +217,31 @@ _warm: WarmSandbox | None = None
 _warm_lock = threading.Lock()
 
 
-def _launch(request_path: Path, env: dict[str, str], log_path: Path) -> _ColdLaunch | _WarmLaunch:
+def _warm_sandbox() -> WarmSandbox:
     global _warm
+    with _warm_lock:
+        if _warm is None:
+            _warm = WarmSandbox()
+        return _warm
+
+
+def prestart() -> None:
+    """Start the warm sandbox now (a worker process that just started), so that the first job
+    does not wait seconds for `import torch` and the warm-up. A failure here only costs speed:
+    the first job tries again."""
+    if os.environ.get("FXPORT_SANDBOX_MODE", "warm") != "warm":
+        return
+    zygote = _warm_sandbox()
+    try:
+        with zygote._lock:
+            zygote._ensure()
+    except Exception:
+        logging.getLogger(__name__).warning("could not prestart the warm sandbox", exc_info=True)
+
+
+def _launch(request_path: Path, env: dict[str, str], log_path: Path) -> _ColdLaunch | _WarmLaunch:
     if os.environ.get("FXPORT_SANDBOX_MODE", "warm") == "warm":
-        with _warm_lock:
-            if _warm is None:
-                _warm = WarmSandbox()
+        _warm = _warm_sandbox()
         try:
             return _warm.launch(request_path, env, log_path)
         except Exception:
@@ -262,6 +281,7 @@ def run_engine_job(
     cancel_event: threading.Event | None = None,
     deferred_targets: Sequence[str] = (),
     timing_cache_path: Path | None = None,
+    input_sha256: str | None = None,
 ) -> dict[str, Any]:
     """Run `engine.convert` in a sandboxed child. Returns the manifest; raises FxportError.
 
@@ -286,6 +306,7 @@ def run_engine_job(
                        "limit_address_space": not builds_engine},
             "events_path": str(events_path),
             "deferred_targets": list(deferred_targets),
+            "input_sha256": input_sha256,
             "timing_cache": {"read": str(timing_cache_path.resolve()), "write": str(cache_out)} if cache_out else None,
         }
         (work / "request.json").write_text(json.dumps(request))
@@ -293,30 +314,40 @@ def run_engine_job(
         last_stage = {"stage": "load"}
         # O_RDWR: opening never blocks and never reads EOF early, whenever the child opens its end
         events_fd = os.open(events_path, os.O_RDWR | os.O_NONBLOCK)
+        # Written once the child has exited: the pump drains what is left and stops at once
+        # (a poll timeout here cost every job up to its length after the child was done).
+        wake_r, wake_w = os.pipe()
         done = threading.Event()
+
+        def deliver(buffer: bytes) -> bytes:
+            *lines, rest = buffer.split(b"\n")
+            for line in lines:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                last_stage["stage"] = event.get("stage", last_stage["stage"])
+                if on_progress:
+                    on_progress(event)
+            return rest
+
+        def read_some() -> bytes:
+            try:
+                return os.read(events_fd, 65536)
+            except BlockingIOError:  # our own O_RDWR end keeps the FIFO open: empty, never EOF
+                return b""
 
         def pump() -> None:
             buffer = b""
             while True:
-                ready, _, _ = select.select([events_fd], [], [], 0.2)
-                if not ready:
-                    if done.is_set():
-                        break
+                ready, _, _ = select.select([events_fd, wake_r], [], [], 1.0)
+                if events_fd in ready and (chunk := read_some()):
+                    buffer = deliver(buffer + chunk)
                     continue
-                try:
-                    chunk = os.read(events_fd, 65536)
-                except BlockingIOError:
-                    continue
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        continue
-                    last_stage["stage"] = event.get("stage", last_stage["stage"])
-                    if on_progress:
-                        on_progress(event)
+                if wake_r in ready or done.is_set():
+                    while chunk := read_some():
+                        buffer = deliver(buffer + chunk)
+                    return
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
@@ -340,8 +371,10 @@ def run_engine_job(
             raise
         finally:
             done.set()
+            os.write(wake_w, b"x")
             reader.join(timeout=5)
-            os.close(events_fd)
+            for fd in (events_fd, wake_r, wake_w):
+                os.close(fd)
         elapsed = time.monotonic() - started
         result_path = work / "result.json"
         if rc != 0 or not result_path.exists():
@@ -422,12 +455,19 @@ def _validate_outputs(manifest: dict[str, Any], out_dir: Path) -> None:
     whose size and sha256 match the manifest."""
     from fxport.workers.engine.exporters import file_sha256
 
+    from concurrent.futures import ThreadPoolExecutor
+
     root = out_dir.resolve()
-    for art in manifest.get("artifacts", []):
+    arts = manifest.get("artifacts", [])
+    for art in arts:
         path = (out_dir / art["path"]).resolve()
         if root not in path.parents or path.is_symlink() or not path.is_file():
             raise errors.ConversionFailed(f"sandbox produced an invalid artifact path {art['path']!r}", stage="upload")
-        if path.stat().st_size != art["bytes"] or file_sha256(path) != art["sha256"]:
+    # Several artifacts hashed at once (hashlib lets go of the GIL): this is on every job's critical path.
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(arts)))) as pool:
+        digests = list(pool.map(lambda a: file_sha256(out_dir / a["path"]), arts))
+    for art, digest in zip(arts, digests):
+        if (out_dir / art["path"]).stat().st_size != art["bytes"] or digest != art["sha256"]:
             raise errors.ConversionFailed(f"artifact {art['path']!r} does not match its recorded digest", stage="upload")
     for path in out_dir.rglob("*"):
         if path.is_symlink():

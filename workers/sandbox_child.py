@@ -53,6 +53,7 @@ def run_request(request_path: str) -> int:
             calibration_path=Path(request["calibration_path"]) if request.get("calibration_path") else None,
             on_progress=on_progress,
             deferred_targets=request.get("deferred_targets") or (),
+            input_sha256=request.get("input_sha256"),
             **_timing_cache_paths(request.get("timing_cache")),
         )
         manifest["sandbox"] = sandbox_info

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from typing import Any
 
 _out_lock = threading.Lock()
 
@@ -77,6 +78,41 @@ def warm_up() -> None:
         gm = torch.fx.symbolic_trace(loaded.module())
         torch.onnx.export(gm, args, os.path.join(tmp, "w.onnx"), dynamo=True, dynamic_shapes=({0: batch},),
                           external_data=False, verbose=False)
+        _warm_up_engine(torch, tmp)
+
+
+def _warm_up_engine(torch: Any, tmp: str) -> None:
+    """One whole conversion of a small conv net (the layer kinds of a ResNet) through the
+    engine, every CPU target, verification included: the first use of each exporter, pass,
+    runner and operator costs a child ~1 s of a ResNet-18 job otherwise (per-process caches
+    and registries that every fork would rebuild). Single-threaded; the onnxruntime sessions
+    it opens are closed again (their threads end with them), so the zygote forks with one thread."""
+    from pathlib import Path
+
+    from fxport.spec import parse_spec
+    from fxport.workers.engine.pipeline import convert
+
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+            self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+            self.relu = nn.ReLU(inplace=True)
+
+        def forward(self, x: Any) -> Any:
+            return self.relu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + x)
+
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                        nn.MaxPool2d(3, stride=2, padding=1), Block(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Dropout(0.1), nn.Linear(4, 3)).eval()
+    example = (torch.randn(2, 3, 16, 16),)
+    dim = torch.export.Dim("batch", min=1, max=4)
+    path = Path(tmp) / "warm.pt2"
+    torch.export.save(torch.export.export(net, example, dynamic_shapes=({0: dim},)), path)
+    spec = parse_spec({"targets": ["torchscript", "onnx", "exported_program", "fx_source"], "verify": {"samples": 1}})
+    convert(path, spec, Path(tmp) / "warm-out", job_id="warm-up")
 
 
 def main() -> None:
@@ -93,11 +129,19 @@ def main() -> None:
     from fxport.workers.engine.verify import runners  # noqa: F401
 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    try:  # the ONNX exporter's progress bars start tqdm's monitor thread: no thread to fork past
+        import tqdm
+
+        tqdm.tqdm.monitor_interval = 0
+    except ImportError:
+        pass
     try:
         warm_up()
     except Exception:  # a failed warm-up only costs speed
         traceback.print_exc()
-    _say({"ready": True})
+    # Threads the imports start (torch's and onnxruntime's own) stay idle; a fork copies only this one.
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    _say({"ready": True, "threads": threads})
     for line in sys.stdin:
         req = json.loads(line)
         sys.stdout.flush()

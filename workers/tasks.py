@@ -78,6 +78,52 @@ def _stop_queue_heartbeat(**_: Any) -> None:
         _heartbeat = None
 
 
+_toolchain: Any = None
+
+
+@signals.worker_ready.connect
+def _publish_toolchain(sender: Any = None, **_: Any) -> None:
+    """Tell the API which toolchain this worker's queues run (the result cache's key; the API
+    image has no torch to ask). See fxport/toolchain.py."""
+    global _toolchain
+    url = Settings().broker_url
+    if not url or not url.startswith(("redis://", "rediss://", "unix://")) or _toolchain is not None:
+        return
+    from fxport.toolchain import ToolchainPublisher
+
+    task_consumer = getattr(sender, "task_consumer", None)
+    queues = ([q.name for q in task_consumer.queues] if task_consumer is not None
+              else list(app.amqp.queues.consume_from or ()))
+    try:
+        _toolchain = ToolchainPublisher(url, queues, getattr(sender, "hostname", None) or str(os.getpid())).start()
+    except Exception as exc:  # no cache hits until it works; the jobs themselves are unaffected
+        log.warning("could not start publishing the toolchain: %s", exc)
+
+
+@signals.worker_shutdown.connect
+def _stop_publishing_toolchain(**_: Any) -> None:
+    global _toolchain
+    if _toolchain is not None:
+        _toolchain.stop()
+        _toolchain = None
+
+
+@signals.worker_process_init.connect
+def _prestart_sandbox(**_: Any) -> None:
+    """Each pool process starts its warm sandbox now, in the background, instead of making its
+    first job wait for it (seconds of `import torch` and warm-up)."""
+    import threading
+
+    from fxport.toolchain import local_toolchain
+    from fxport.workers.sandbox import prestart
+
+    def warm() -> None:
+        prestart()
+        local_toolchain()  # the package-metadata scan, once, before a job waits on it
+
+    threading.Thread(target=warm, name="fxport-sandbox-prestart", daemon=True).start()
+
+
 @signals.setup_logging.connect
 def _setup_logging(**_: Any) -> None:
     from fxport.logs import configure_logging
@@ -125,6 +171,10 @@ def _record_task_failure(sender: Any = None, exception: BaseException | None = N
     from fxport.jobs import JobErrorInfo, JobState
 
     job_id = args[0]
+    if _is_broker_outage(exception):
+        # Not the job's fault: left RUNNING, it comes back by redelivery or the orphan sweeper.
+        log.warning("job %s: attempt ended by a job store outage (%s); it will be rerun", job_id, exception)
+        return
     try:
         jobs = context().jobs
         rec = jobs.get(job_id)
@@ -145,3 +195,11 @@ def _record_task_failure(sender: Any = None, exception: BaseException | None = N
         jobs.transition(job_id, state=JobState.FAILED, error=error, message=error.message)
     except Exception:
         log.exception("could not record the failure of job %s", job_id)
+
+
+def _is_broker_outage(exc: BaseException | None) -> bool:
+    try:
+        import redis
+    except ImportError:
+        return False
+    return isinstance(exc, (redis.ConnectionError, redis.TimeoutError))

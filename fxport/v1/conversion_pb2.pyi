@@ -38,16 +38,18 @@ class FileHeader(_message.Message):
     def __init__(self, filename: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., stored: _Optional[bool] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("spec", "model", "calibration", "idempotency_key")
+    __slots__ = ("spec", "model", "calibration", "idempotency_key", "no_cache")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     spec: str
     model: FileHeader
     calibration: FileHeader
     idempotency_key: str
-    def __init__(self, spec: _Optional[str] = ..., model: _Optional[_Union[FileHeader, _Mapping]] = ..., calibration: _Optional[_Union[FileHeader, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    no_cache: bool
+    def __init__(self, spec: _Optional[str] = ..., model: _Optional[_Union[FileHeader, _Mapping]] = ..., calibration: _Optional[_Union[FileHeader, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., no_cache: _Optional[bool] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("header", "model_chunk", "calibration_chunk")
@@ -60,22 +62,28 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., model_chunk: _Optional[bytes] = ..., calibration_chunk: _Optional[bytes] = ...) -> None: ...
 
 class CheckUploadRequest(_message.Message):
-    __slots__ = ("model_sha256", "calibration_sha256")
+    __slots__ = ("model_sha256", "calibration_sha256", "spec", "no_cache")
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     model_sha256: str
     calibration_sha256: str
-    def __init__(self, model_sha256: _Optional[str] = ..., calibration_sha256: _Optional[str] = ...) -> None: ...
+    spec: str
+    no_cache: bool
+    def __init__(self, model_sha256: _Optional[str] = ..., calibration_sha256: _Optional[str] = ..., spec: _Optional[str] = ..., no_cache: _Optional[bool] = ...) -> None: ...
 
 class CheckUploadResponse(_message.Message):
-    __slots__ = ("model_present", "calibration_present", "max_upload_bytes")
+    __slots__ = ("model_present", "calibration_present", "max_upload_bytes", "cache_hit")
     MODEL_PRESENT_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_PRESENT_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     model_present: bool
     calibration_present: bool
     max_upload_bytes: int
-    def __init__(self, model_present: _Optional[bool] = ..., calibration_present: _Optional[bool] = ..., max_upload_bytes: _Optional[int] = ...) -> None: ...
+    cache_hit: bool
+    def __init__(self, model_present: _Optional[bool] = ..., calibration_present: _Optional[bool] = ..., max_upload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
 
 class InputRef(_message.Message):
     __slots__ = ("sha256", "bytes", "filename", "key")

@@ -91,8 +91,10 @@ class ConversionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CheckUpload(self, request, context):
-        """Pre-upload check: does the server already hold these inputs? A client that gets
-        `model_present` sends `FileHeader.stored = true` and no model chunks.
+        """Pre-upload check: does the server already hold these inputs, or a cached result for
+        them? A client that gets `model_present` or `cache_hit` sends `FileHeader.stored = true`
+        and no model chunks. (If a cached result fails its proof check between the two calls and
+        the model is not stored, SubmitJob answers FAILED_PRECONDITION: send the bytes.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

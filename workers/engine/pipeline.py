@@ -93,8 +93,12 @@ def convert(
     deferred_targets: Sequence[str] = (),
     timing_cache_path: Path | None = None,
     timing_cache_out: Path | None = None,
+    input_sha256: str | None = None,
 ) -> dict[str, Any]:
     """Convert the model at `model_path` per `spec` into `out_dir`. Returns the manifest.
+
+    `input_sha256`: the model file's sha256 when the caller already checked it (a worker
+    verifies the download), so the manifest does not read the whole file again for it.
 
     `deferred_targets` ("tensorrt") are built later, elsewhere (the GPU queue), from this run's
     ONNX model: this run makes and preflights that ONNX model instead of building them.
@@ -107,7 +111,7 @@ def convert(
         "fxport_version": fxport.__version__,
         "job_id": job_id,
         "toolchain": toolchain(),
-        "input": {"format": None, "sha256": file_sha256(model_path), "bytes": model_path.stat().st_size},
+        "input": {"format": None, "sha256": input_sha256 or file_sha256(model_path), "bytes": model_path.stat().st_size},
         "spec": spec.normalized(),
         "capture": None,
         "passes": [],

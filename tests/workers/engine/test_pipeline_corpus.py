@@ -107,3 +107,28 @@ def test_resnet18_full_size(tmp_path: Path) -> None:
     _check_manifest(manifest, tmp_path / "out", "resnet18")
     fuse = next(p for p in manifest["passes"] if p["name"] == "fuse_conv_bn")
     assert fuse["changed"] and "20" in fuse["notes"]
+
+
+def test_fx_source_runs_from_wherever_it_is_copied(tmp_path: Path) -> None:
+    import importlib.util
+    import shutil
+    import sys
+
+    import torch
+
+    case = CORPUS["cnn_bn"]
+    model = save_pt2(case, tmp_path / "model.pt2")
+    convert(model, parse_spec(spec_dict(case, targets=("fx_source",))), tmp_path / "out")
+    assert not (tmp_path / "out" / "fx_source" / "__pycache__").exists()
+    moved = tmp_path / "elsewhere" / "fx_source"
+    shutil.copytree(tmp_path / "out" / "fx_source", moved)
+    shutil.rmtree(tmp_path / "out")  # the original location is gone, as on the user's machine
+    source = (moved / "module.py").read_text()
+    assert str(tmp_path / "out") not in source
+    spec = importlib.util.spec_from_file_location("moved_fx_source", moved / "module.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.dont_write_bytecode = True
+    spec.loader.exec_module(module)
+    args = case.example_inputs(3)
+    with torch.no_grad():
+        torch.testing.assert_close(module.FxportModule()(*args), case.build()(*args), atol=1e-4, rtol=1e-3)

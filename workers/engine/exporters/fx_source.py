@@ -23,7 +23,12 @@ class FxSourceFromGraphModule:
             node.type = None
         self.gm.recompile()
         self.gm.to_folder(str(folder), module_name=MODULE_CLASS)
-        if self.imports:
-            source = folder / "module.py"
-            source.write_text("\n".join(self.imports) + "\n" + source.read_text())
+        source = folder / "module.py"
+        text = source.read_text()
+        # to_folder writes absolute paths to the weight files beside module.py; the artifact is
+        # downloaded elsewhere, so load them from the folder module.py is imported from.
+        for prefix in {str(folder), str(folder.resolve())}:
+            text = text.replace(f"torch.load(r'{prefix}/", "torch.load(_HERE + r'/")
+        header = ["import os", "_HERE = os.path.dirname(os.path.abspath(__file__))", *self.imports]
+        source.write_text("\n".join(header) + "\n" + text)
         return folder

@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule
 
 from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
-from fxport.workers.engine.passes.graph_attrs import fetch_attr, unique_name
+from fxport.workers.engine.passes.graph_attrs import fetch_attr, prune_unused_attrs, unique_name
 from fxport.workers.engine.quantize.int8 import copy_graph_module, qd
 
 
@@ -52,8 +52,6 @@ def fake_quant_graph(qgm: GraphModule) -> GraphModule:
             node.replace_all_uses_with(attr)
             graph.erase_node(node)
     graph.eliminate_dead_code()
-    from fxport.workers.engine.passes.graph_attrs import prune_unused_attrs
-
     prune_unused_attrs(gm)
     graph.lint()
     gm.recompile()

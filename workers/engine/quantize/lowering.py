@@ -21,14 +21,12 @@ where the lowering calls them; the archive depends on them all the same (see the
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 

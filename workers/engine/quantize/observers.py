@@ -57,9 +57,7 @@ class ActivationObserver(nn.Module):
         self.absmax = max(self.absmax, m)
         self.batches += 1
         if self.kind != "minmax" and m > 0:
-            # zeros (a ReLU's output is half zeros) are exact in any symmetric grid: they must
-            # not pull a percentile or the KL search towards a tiny range
-            self._add_histogram(a[a > 0], m)
+            self._add_histogram(a, m)
         return x
 
     def _add_histogram(self, a: torch.Tensor, m: float) -> None:
@@ -71,6 +69,9 @@ class ActivationObserver(nn.Module):
                 self.hist = np.zeros(HIST_BINS, dtype=np.float64)
             self.hist_max = new_max
         counts = torch.histc(a, bins=HIST_BINS, min=0.0, max=self.hist_max).double().numpy()
+        # zeros (a ReLU's output is half zeros) are exact in any symmetric grid: they must not
+        # pull a percentile or the KL search towards a tiny range, so bin 0 does not count them
+        counts[0] -= float((a == 0).sum())
         self.hist += counts
 
     def amax(self) -> float:

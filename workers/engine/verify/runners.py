@@ -104,10 +104,13 @@ class FxSourceRunner(Runner):
         assert spec and spec.loader
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
+        # no __pycache__ inside the artifact folder: it would ship as stray files
+        writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
         try:
             spec.loader.exec_module(module)
         finally:
             sys.modules.pop(mod_name, None)
+            sys.dont_write_bytecode = writes_bytecode
         self.module = getattr(module, self.class_name)().eval()
 
     def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:

@@ -125,3 +125,39 @@ def test_fallback_keeps_a_layer_float() -> None:
     assert partial.fallback == ["conv2"] and set(partial.layer_nodes) == {"conv1", "fc"}
     conv2 = next(n for n in partial.gm.graph.nodes if n.name == result.layers[1].node)
     assert conv2.args[1].op == "get_attr"  # its fp32 weight, not a dequantized int8 one
+
+
+class Gpt2Style(nn.Module):
+    """GPT-2's Conv1D: addmm(bias, x, W) with W stored [in, out] — output channels on axis 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 24) * 0.1)
+        self.bias = nn.Parameter(torch.randn(24) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, 16), self.weight).view(x.shape[0], -1, 24)
+
+
+def test_matmul_weights_quantize_per_column() -> None:
+    model = Gpt2Style().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(model, (torch.randn(2, 5, 16),))
+    from fxport.workers.engine.capture import fx_from_exported
+
+    gm = fx_from_exported(ep)
+    (layer,) = scan_layers(gm).layers
+    assert (layer.op, layer.axis, layer.x_arg, layer.w_arg, layer.out_channels) == ("matmul", 1, 1, 2, 24)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(2, 5, 16, generator=g),) for _ in range(3)]  # the export fixed the batch at 2
+    result = quantize_int8(gm, data[:2], data[2:], QuantizationSpec())
+    (wdq,) = [n for n in result.graph_module.graph.nodes if n.target is qd.dequantize_per_channel.default]
+    assert wdq.args[3] == 1 and fetch_scale(result.graph_module, wdq).shape == (24,)
+    assert result.report["end_to_end"]["cosine"] > 0.99
+
+
+def fetch_scale(gm: torch.fx.GraphModule, wdq: torch.fx.Node) -> torch.Tensor:
+    from fxport.workers.engine.passes.graph_attrs import fetch_attr
+
+    return fetch_attr(gm, wdq.args[1].target)

@@ -1,0 +1,197 @@
+"""The toolchain fingerprint: which versions of the conversion stack make a job's artifacts.
+
+Part of the result-cache key (fxport/cache.py, DESIGN.md §8): fxport, torch, onnx and
+onnxruntime versions, plus the TensorRT version and the GPU model for jobs that build an
+engine. Read from installed package metadata (`importlib.metadata`), never by importing
+torch, so the API server, whose image has no torch, can compute it too — but there it would
+describe the wrong machine. So:
+
+- a worker computes its own fingerprint at startup and publishes it per queue in Redis
+  (`fxport:toolchain:<queue>`, refreshed while it runs); the API reads what the workers of
+  the job's queue(s) published;
+- the embedded server runs its jobs in-process, so it uses its own (`local_toolchain`).
+
+A worker that writes a cache entry keys it with its own fingerprint, so a stale or missing
+publication can only make lookups miss, never serve another toolchain's artifacts.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import logging
+import shutil
+import subprocess
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CPU_PACKAGES = ("fxport", "torch", "onnx", "onnxruntime")
+GPU_PACKAGES = ("tensorrt",)
+PUBLISH_KEY = "fxport:toolchain:{queue}"
+REPUBLISH_S = 300.0
+READ_CACHE_S = 1.0
+
+Toolchain = dict[str, Any]
+
+
+def _version(module: str) -> str | None:
+    """Version of the distribution that provides import name `module` (e.g. onnxruntime may
+    come from `onnxruntime-gpu`, tensorrt from `tensorrt-cu13`), or None if not installed."""
+    names = [module]
+    names.extend(d for d in _distributions().get(module, ()) if d != module)
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict[str, list[str]]:
+    return dict(importlib.metadata.packages_distributions())
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_model() -> str | None:
+    """The first GPU's model name (nvidia-smi), or None on a machine without one."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [line.strip() for line in out.splitlines() if line.strip()]
+    return names[0] if names else None
+
+
+@functools.lru_cache(maxsize=2)
+def _local_toolchain(gpu: bool) -> tuple[tuple[str, Any], ...]:
+    out: Toolchain = {name: _version(name) for name in CPU_PACKAGES}
+    if gpu:
+        out.update({name: _version(name) for name in GPU_PACKAGES})
+        out["gpu"] = gpu_model()
+    return tuple(out.items())
+
+
+def local_toolchain(*, gpu: bool = False) -> Toolchain:
+    """This machine's versions (read once per process); with `gpu`, also TensorRT's and the GPU model."""
+    return dict(_local_toolchain(gpu))
+
+
+def job_fingerprint(cpu: Toolchain | None, gpu: Toolchain | None, *, engine: bool) -> Toolchain | None:
+    """The fingerprint of a job: the CPU workers' stack, plus TensorRT + GPU model when the job
+    builds an engine. None when it cannot be told (nothing published, or a GPU part missing):
+    such a job is neither looked up nor cached."""
+    if not cpu or any(cpu.get(name) is None for name in ("fxport", "torch")):
+        return None
+    fingerprint = {name: cpu.get(name) for name in CPU_PACKAGES}
+    if engine:
+        if not gpu or gpu.get("tensorrt") is None or gpu.get("gpu") is None:
+            return None
+        fingerprint.update(tensorrt=gpu["tensorrt"], gpu=gpu["gpu"])
+    return fingerprint
+
+
+def publish(redis_client: Any, queue: str, toolchain: Toolchain, worker: str) -> None:
+    redis_client.set(PUBLISH_KEY.format(queue=queue),
+                     json.dumps({"toolchain": toolchain, "worker": worker, "at": time.time()}))
+
+
+class ToolchainPublisher:
+    """A worker's main process: publish this machine's fingerprint for each queue it consumes,
+    now and every REPUBLISH_S (a Redis without persistence forgets it on restart)."""
+
+    def __init__(self, redis_url: str, queues: list[str], worker: str, *, interval_s: float = REPUBLISH_S) -> None:
+        import redis
+
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.queues, self.worker, self.interval_s = queues, worker, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def publish_now(self) -> None:
+        for queue in self.queues:
+            publish(self._redis, queue, local_toolchain(gpu=queue == "gpu"), self.worker)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.publish_now()
+            except Exception as exc:  # Redis away for a moment: the next round publishes again
+                log.warning("could not publish the toolchain fingerprint: %s", exc)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def start(self) -> "ToolchainPublisher":
+        self._thread = threading.Thread(target=self._run, name="fxport-toolchain", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._redis.close()
+
+
+class PublishedToolchains:
+    """The API side: what the workers of each queue published, re-read at most every
+    READ_CACHE_S (a burst of submits costs one Redis round trip)."""
+
+    def __init__(self, redis_url: str, *, cache_s: float = READ_CACHE_S) -> None:
+        import redis
+
+        self._redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=2,
+                                           socket_connect_timeout=2)
+        self.cache_s = cache_s
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, Toolchain | None]] = {}
+
+    def get(self, queue: str) -> Toolchain | None:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(queue)
+            if hit is not None and now - hit[0] < self.cache_s:
+                return hit[1]
+        try:
+            raw = self._redis.get(PUBLISH_KEY.format(queue=queue))
+            value = json.loads(raw)["toolchain"] if raw else None
+        except Exception as exc:
+            log.warning("could not read the %s workers' toolchain: %s", queue, exc)
+            value = None
+        with self._lock:
+            self._cache[queue] = (now, value)
+        return value
+
+    def forget(self) -> None:
+        """Drop the read cache (tests that change a publication)."""
+        with self._lock:
+            self._cache.clear()
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+class LocalToolchains:
+    """The embedded server: its jobs run here, so its own versions are the workers'."""
+
+    def __init__(self) -> None:
+        self._found: dict[str, Toolchain] = {}
+
+    def get(self, queue: str) -> Toolchain | None:
+        if queue not in self._found:
+            self._found[queue] = local_toolchain(gpu=queue == "gpu")
+        return self._found[queue]
+
+    def forget(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,287 @@
+"""The result cache through the service: real Redis, SeaweedFS S3, Celery workers, gRPC API.
+
+A dedicated API (cache lookups on, two tenants with tokens, Prometheus metrics on a port)
+shares the session's broker, bucket and workers (tests/conftest.py `distributed_stack`,
+whose own API keeps lookups off so other suites are never answered from the cache). The
+uploaded-bytes assertions read the API's `fxport_upload_bytes_total` counter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fxport.client import Client
+from fxport.service.auth import new_token, token_entry
+from fxport.v1 import conversion_pb2 as pb
+from tests.fixtures.servers import ApiServer, DistributedStack, free_port, start_api
+
+pytestmark = pytest.mark.slow
+
+TENANTS = ("cache-a", "cache-b")
+SPEC = {"targets": ["torchscript"], "verify": {"samples": 2}, "labels": {"suite": "cache"}}
+# The same spec: other key order, defaults spelled out, another label (labels don't shape artifacts).
+SPEC_REORDERED = {"labels": {"suite": "cache", "run": "2"}, "verify": {"samples": 2, "atol": 1e-4},
+                  "precision": "fp32", "capture": "auto", "targets": ["torchscript"]}
+
+
+@dataclass
+class CacheApi:
+    api: ApiServer
+    stack: DistributedStack
+    tokens: dict[str, str]
+    metrics_port: int
+
+    def client(self, tenant: str = TENANTS[0]) -> Client:
+        return Client(self.api.address, token=self.tokens[tenant])
+
+    def uploaded_model_bytes(self) -> float:
+        """The API's count of model bytes that arrived (all tenants)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith('fxport_upload_bytes_total{kind="model"}'):
+                return float(line.split()[-1])
+        raise AssertionError("fxport_upload_bytes_total{kind=\"model\"} not exported")
+
+    def logs(self) -> str:
+        from tests.fixtures.servers import tail
+
+        return f"== cache-api ==\n{tail(self.api.process.log)}\n{self.stack.logs()}"
+
+
+@pytest.fixture(scope="module")
+def cache_api(tmp_path_factory, distributed_stack) -> CacheApi:
+    base = tmp_path_factory.mktemp("cache-api")
+    tokens = {t: new_token() for t in TENANTS}
+    tokens_file = base / "tokens"
+    tokens_file.write_text("".join(token_entry(t, tok) + "\n" for t, tok in tokens.items()))
+    port = free_port()
+    env = {**distributed_stack.env, "FXPORT_TOKENS_FILE": str(tokens_file), "FXPORT_HOME": str(base / "home"),
+           "FXPORT_CACHE_ENABLED": "true", "FXPORT_METRICS_PORT": str(port)}
+    api = start_api(base, env, name="cache-api")
+    yield CacheApi(api, distributed_stack, tokens, port)
+    api.stop()
+
+
+@pytest.fixture(scope="module")
+def variant_pt2(tmp_path_factory):
+    """tiny_linear with other weights: different model bytes, same architecture."""
+    import torch
+
+    from tests.models import CORPUS
+
+    case = CORPUS["tiny_linear"]
+    torch.manual_seed(1234)
+    model = case.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    example = case.example_inputs(2)
+    dim = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(model, example, dynamic_shapes=tuple({0: dim} for _ in example))
+    path = tmp_path_factory.mktemp("variant") / "tiny_variant.pt2"
+    torch.export.save(ep, path)
+    return path
+
+
+def _converted(client: Client, model: Path, spec: dict, **kw):
+    job = client.submit(model, spec, **kw)
+    job.wait(timeout=180)
+    assert job.state == "SUCCEEDED", job.error
+    return job
+
+
+def _would_hit(client: Client, model: Path, spec: dict) -> bool:
+    """The pre-upload check's answer (CheckUpload), without submitting anything."""
+    sha = hashlib.sha256(model.read_bytes()).hexdigest()
+    return client._call(client._stub.CheckUpload,
+                        pb.CheckUploadRequest(model_sha256=sha, spec=json.dumps(spec))).cache_hit
+
+
+@pytest.fixture(scope="module")
+def first_job(cache_api, tiny_pt2):
+    """Tenant cache-a converts tiny_linear once; the rest of the module hits or misses it."""
+    with cache_api.client() as c:
+        job = _converted(c, tiny_pt2, SPEC)
+    assert not job.message.cache_hit
+    return job
+
+
+def test_identical_spec_in_another_key_order_is_a_hit_without_upload(cache_api, first_job, tiny_pt2, tmp_path):
+    uploaded = cache_api.uploaded_model_bytes()
+    with cache_api.client() as c:
+        t0 = time.perf_counter()
+        job = c.submit(tiny_pt2, SPEC_REORDERED)
+        took = time.perf_counter() - t0
+        # A new job in the caller's tenant, SUCCEEDED at once, pointing at the earlier artifacts.
+        assert job.state == "SUCCEEDED" and job.message.cache_hit, (job.to_dict(), cache_api.logs())
+        assert job.id != first_job.id and job.message.tenant == TENANTS[0]
+        assert job.upload == {"sent_bytes": 0, "skipped": "cache_hit"}
+        assert [(a["name"], a["key"], a["sha256"]) for a in job.artifacts] == \
+               [(a["name"], a["key"], a["sha256"]) for a in first_job.artifacts]
+        assert job.spec["labels"] == {"suite": "cache", "run": "2"}  # the new job's own spec
+        # Watching it ends at once; its artifacts download with every sha256 checked.
+        assert [e.state for e in c.get(job.id).events(timeout=10)] == ["SUCCEEDED"]
+        paths = job.download(tmp_path / "out")
+        assert {p.name for p in paths} >= {"model.ts", "manifest.json"}
+        assert json.loads((tmp_path / "out" / "manifest.json").read_text())["job_id"] == first_job.id
+    assert cache_api.uploaded_model_bytes() == uploaded  # counted at the server: nothing arrived
+    assert took < 5, took
+
+
+def test_a_changed_spec_field_or_model_misses(cache_api, first_job, tiny_pt2, variant_pt2):
+    with cache_api.client() as c:
+        assert _would_hit(c, tiny_pt2, SPEC_REORDERED)
+        for change in ({"verify": {"samples": 2, "atol": 1e-3}}, {"targets": ["torchscript", "fx_source"]},
+                       {"passes": ["remove_dropout"]}, {"torchscript": {"method": "script"}}):
+            assert not _would_hit(c, tiny_pt2, {**SPEC, **change}), change
+        assert not _would_hit(c, variant_pt2, SPEC)
+        # Through SubmitJob too: a miss is queued for conversion, not answered.
+        job = c.submit(tiny_pt2, {**SPEC, "verify": {"samples": 3}})
+        assert not job.message.cache_hit and job.state in ("QUEUED", "RUNNING")
+        assert job.upload["skipped"] == "model_stored"  # the bytes were already there
+        job.cancel()
+
+
+def test_a_changed_toolchain_misses(cache_api, first_job, tiny_pt2):
+    import redis
+
+    from fxport.toolchain import PUBLISH_KEY, READ_CACHE_S
+
+    r = redis.Redis.from_url(cache_api.stack.redis.url)
+    key = PUBLISH_KEY.format(queue="cpu")
+    published = r.get(key)
+    assert published, "the cpu workers did not publish their toolchain"
+    doc = json.loads(published)
+    doc["toolchain"]["torch"] = "9.9.9"  # the workers were upgraded
+    try:
+        r.set(key, json.dumps(doc))
+        time.sleep(READ_CACHE_S + 0.2)
+        with cache_api.client() as c:
+            assert not _would_hit(c, tiny_pt2, SPEC)
+            job = c.submit(tiny_pt2, SPEC)
+            assert not job.message.cache_hit
+            job.cancel()
+    finally:
+        r.set(key, published)
+        time.sleep(READ_CACHE_S + 0.2)
+    with cache_api.client() as c:
+        assert _would_hit(c, tiny_pt2, SPEC)
+
+
+def test_no_hit_across_tenants(cache_api, first_job, tiny_pt2):
+    uploaded = cache_api.uploaded_model_bytes()
+    with cache_api.client(TENANTS[1]) as c:
+        assert not _would_hit(c, tiny_pt2, SPEC)
+        job = c.submit(tiny_pt2, SPEC)
+        assert not job.message.cache_hit and job.message.tenant == TENANTS[1]
+        # cache-a's stored model is not cache-b's either: the bytes travel.
+        assert job.upload == {"sent_bytes": tiny_pt2.stat().st_size, "skipped": None}
+        job.cancel()
+    assert cache_api.uploaded_model_bytes() == uploaded + tiny_pt2.stat().st_size
+    with cache_api.client(TENANTS[0]) as c:  # and cache-a still hits its own
+        assert _would_hit(c, tiny_pt2, SPEC)
+
+
+def test_upload_skipped_for_a_known_digest(cache_api, first_job, tiny_pt2, variant_pt2):
+    with cache_api.client() as c:
+        before = cache_api.uploaded_model_bytes()
+        job = c.submit(variant_pt2, SPEC, no_cache=True)  # a model this tenant never sent
+        assert job.upload == {"sent_bytes": variant_pt2.stat().st_size, "skipped": None}
+        job.cancel()
+        after = cache_api.uploaded_model_bytes()
+        assert after == before + variant_pt2.stat().st_size
+        again = c.submit(variant_pt2, {"targets": ["fx_source"]}, no_cache=True)  # same bytes, other job
+        assert again.upload == {"sent_bytes": 0, "skipped": "model_stored"}
+        again.cancel()
+        assert cache_api.uploaded_model_bytes() == after
+
+
+def test_no_cache_forces_a_run_whose_result_replaces_the_entry(cache_api, first_job, tiny_pt2):
+    with cache_api.client() as c:
+        forced = _converted(c, tiny_pt2, SPEC, no_cache=True)
+        assert not forced.message.cache_hit and forced.message.attempts == 1 and forced.message.worker
+        hit = c.submit(tiny_pt2, SPEC)
+        assert hit.message.cache_hit
+        assert {a["key"] for a in hit.artifacts} == {a["key"] for a in forced.artifacts}  # the fresh result
+
+
+def test_a_corrupted_cached_artifact_is_detected_and_recomputed(cache_api, first_job, tiny_pt2):
+    from fxport.storage import input_key
+
+    store = cache_api.stack.artifact_store()
+    s3 = cache_api.stack.s3.client()
+    with cache_api.client() as c:
+        cached = c.submit(tiny_pt2, SPEC)
+        assert cached.message.cache_hit
+        art = next(a for a in cached.artifacts if a["name"] == "model.ts")
+        # Overwrite the object behind the store's back: same length, same recorded sha256
+        # metadata, different bytes. Only re-hashing the bytes can tell.
+        data = bytearray(b"".join(store.iter_chunks(art["key"])))
+        data[len(data) // 2] ^= 0xFF
+        s3.put_object(Bucket=cache_api.stack.s3.bucket, Key=store.prefix + art["key"], Body=bytes(data),
+                      Metadata={"sha256": art["sha256"]})
+        # And forget the model, so the client relies on the cache hint alone: when the proof
+        # fails, the server must ask for the bytes and the client must send them.
+        store.delete_object(input_key(TENANTS[0], hashlib.sha256(tiny_pt2.read_bytes()).hexdigest()))
+        before = cache_api.uploaded_model_bytes()
+        assert _would_hit(c, tiny_pt2, SPEC)  # sizes and recorded digests still agree
+        job = c.submit(tiny_pt2, SPEC)
+        assert not job.message.cache_hit, cache_api.logs()
+        assert job.upload["sent_bytes"] == tiny_pt2.stat().st_size
+        assert cache_api.uploaded_model_bytes() == before + tiny_pt2.stat().st_size
+        job.wait(timeout=180)
+        assert job.state == "SUCCEEDED", job.error
+        fresh = c.submit(tiny_pt2, SPEC)  # the recomputed result is cached in its place
+        assert fresh.message.cache_hit
+        assert {a["key"] for a in fresh.artifacts} == {a["key"] for a in job.artifacts}
+    assert "failed its proof check" in cache_api.api.process.log.read_text()
+
+
+def test_cli_reports_cache_hit_and_skipped_upload(cache_api, first_job, tiny_pt2, tmp_path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SPEC_REORDERED))
+    base = [sys.executable, "-m", "fxport.client.cli", "submit", str(tiny_pt2), "--spec", str(spec),
+            "--server", cache_api.api.address, "--token", cache_api.tokens[TENANTS[0]], "--json"]
+    hit = subprocess.run([*base, "--wait"], capture_output=True, text=True, timeout=120)
+    assert hit.returncode == 0, hit.stderr
+    assert "cache hit" in hit.stderr
+    doc = json.loads(hit.stdout)
+    assert doc["cache_hit"] and doc["state"] == "SUCCEEDED" and doc["upload"]["skipped"] == "cache_hit"
+    forced = subprocess.run([*base, "--no-cache"], capture_output=True, text=True, timeout=120)
+    assert forced.returncode == 0, forced.stderr
+    assert "model already stored, upload skipped" in forced.stderr
+    doc = json.loads(forced.stdout)
+    assert not doc["cache_hit"] and doc["state"] in ("QUEUED", "RUNNING")
+    with cache_api.client() as c:
+        c.cancel(doc["id"])
+
+
+def test_cross_tenant_sharing_when_the_operator_enables_it(tmp_path, tiny_pt2):
+    """Embedded server (in-process workers, filesystem store) with sharing on: a second tenant
+    is answered from the first one's result, sending no bytes."""
+    tokens = {t: new_token() for t in TENANTS}
+    (tmp_path / "tokens").write_text("".join(token_entry(t, tok) + "\n" for t, tok in tokens.items()))
+    api = start_api(tmp_path, {"FXPORT_HOME": str(tmp_path / "home"), "FXPORT_TOKENS_FILE": str(tmp_path / "tokens"),
+                               "FXPORT_SANDBOX_THREADS": "1", "FXPORT_CACHE_ENABLED": "true",
+                               "FXPORT_CACHE_SHARE_ACROSS_TENANTS": "true"}, name="shared-cache")
+    try:
+        with Client(api.address, token=tokens[TENANTS[0]]) as a:
+            first = _converted(a, tiny_pt2, {"targets": ["fx_source"]})
+        with Client(api.address, token=tokens[TENANTS[1]]) as b:
+            hit = b.submit(tiny_pt2, {"targets": ["fx_source"]})
+            assert hit.message.cache_hit and hit.message.tenant == TENANTS[1]
+            assert hit.upload == {"sent_bytes": 0, "skipped": "cache_hit"}
+            assert {a["key"] for a in hit.artifacts} == {a["key"] for a in first.artifacts}
+            assert "of job" not in hit.message.message  # another tenant's job id is not named
+            hit.download(tmp_path / "out")  # the other tenant's objects, readable through this job
+    finally:
+        api.stop()

@@ -1,0 +1,107 @@
+"""Upload a job's artifacts while its verification still runs (DESIGN.md §8).
+
+The engine writes the artifacts one after another during `export` and then spends seconds
+verifying them; the manifest records each artifact's sha256 as export leaves it. So each time
+the sandbox reports export progress (a next target begins: the earlier ones are written) and
+when `verify` begins, a background thread uploads the files that appeared in the output
+folder since. A guess that catches a file still being written costs a second upload of it,
+never a wrong artifact (below).
+
+The sandbox child is untrusted and still running, so an early upload proves nothing by
+itself: each file is snapshotted (read once into a private spool while hashed, then that
+spool is uploaded), so the object and its recorded digest always agree, whatever the child
+does to the file meanwhile. After the child exits, `upload_outputs` keeps an early object
+only if its digest is the one the validated manifest states for that file (or, for a file
+the manifest does not list, the digest the file has now); anything else is uploaded again,
+and early objects of files that are gone are deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from fxport.storage import StoredObject, artifact_key, check_artifact_name
+
+log = logging.getLogger(__name__)
+
+# Written after verification (by the child or by the worker): never worth an early upload.
+LATE_FILES = ("manifest.json", "report.html")
+
+
+class EarlyUpload:
+    """`offer()` whenever more artifacts may be final; `wait()` → {name: StoredObject} of what went up."""
+
+    def __init__(self, artifacts: Any, tenant: str, job_id: str, out_dir: Path, spool_dir: Path) -> None:
+        self.artifacts, self.tenant, self.job_id = artifacts, tenant, job_id
+        self.out_dir, self.spool_dir = out_dir, spool_dir
+        self.uploaded: dict[str, StoredObject] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # name → (size, mtime_ns) when it was snapshotted
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._stop = threading.Event()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def offer(self) -> None:
+        """Look for new files in the output folder soon (in the background)."""
+        if self._closing.is_set():
+            return
+        if self._thread is None:
+            self.spool_dir.mkdir(parents=True, exist_ok=True)
+            self._thread = threading.Thread(target=self._run, name=f"early-upload-{self.job_id}", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop.is_set() or self._closing.is_set():
+                return
+            self._scan()
+
+    def _scan(self) -> None:
+        for path in sorted(self.out_dir.rglob("*")):
+            if self._stop.is_set() or self._closing.is_set():
+                return
+            if path.is_symlink() or not path.is_file():
+                continue
+            name = path.relative_to(self.out_dir).as_posix()
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            if name in LATE_FILES or self._seen.get(name) == (st.st_size, st.st_mtime_ns):
+                continue
+            try:
+                key = artifact_key(self.tenant, self.job_id, check_artifact_name(name))
+                with open(path, "rb") as f:
+                    self.uploaded[name] = self.artifacts.put_stream(key, f, spool_dir=self.spool_dir)
+                self._seen[name] = (st.st_size, st.st_mtime_ns)
+            except Exception as exc:  # the late upload does it again; nothing is lost
+                log.info("early upload of %s failed (it is retried after verification): %s", name, exc)
+
+    def wait(self) -> dict[str, StoredObject]:
+        """Finish the file in flight and stop (at once, if nothing started)."""
+        self._closing.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        return dict(self.uploaded)
+
+    def abandon(self) -> None:
+        """Stop after the current file and delete everything uploaded early (a failed or
+        cancelled job publishes no model files)."""
+        self._stop.set()
+        for name, stored in self.wait().items():
+            try:
+                self.artifacts.delete_object(stored.key)
+            except Exception as exc:
+                log.warning("could not delete the early upload %s: %s", name, exc)
+        self.uploaded.clear()
