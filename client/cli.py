@@ -427,6 +427,17 @@ def worker(
     if not Settings().broker_url:
         _err.print("[red]error:[/] a worker needs a broker: --broker redis://… or FXPORT_BROKER_URL")
         raise typer.Exit(EXIT_USAGE)
+    metrics_port = Settings().metrics_port
+    if metrics_port is not None:
+        # Tasks run in pool child processes: they record into files that the main process's
+        # /metrics sums. The directory must be chosen before prometheus_client is imported.
+        import tempfile
+
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="fxport-metrics-"))
+        from fxport.metrics import reset_multiprocess_dir, start_metrics_server
+
+        reset_multiprocess_dir()
+        start_metrics_server(metrics_port)
     import fxport.workers.tasks  # noqa: F401  (registers the tasks)
     from fxport.workers.celery_app import app as celery_app
 

@@ -17,6 +17,9 @@ Needs the `[server]` extra (prometheus-client); the thin client never imports it
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,3 +195,69 @@ def start_metrics_server(
             registry = REGISTRY
     server, _thread = start_http_server(port, addr=addr, registry=registry)
     return server, server.server_port
+
+
+class MeteredJobStore:
+    """A JobStore that counts what it records: every state a job enters (fxport_jobs_total),
+    and on a terminal state the job's total and per-stage durations (from the record's own
+    timestamps). Wrapping the store, not its callers, means no transition goes uncounted,
+    whichever process — API, Celery worker, embedded pool — makes it."""
+
+    def __init__(self, store: Any, metrics: FxportMetrics | None = None) -> None:
+        self._store = store
+        self._metrics = metrics or METRICS
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def create(self, record: Any) -> Any:
+        rec, created = self._store.create(record)
+        if created:
+            self._metrics.jobs_total.labels("queued").inc()
+        return rec, created
+
+    def transition(self, job_id: str, **changes: Any) -> Any:
+        before = self._store.get(job_id) if changes.get("state") is not None else None
+        rec, changed = self._store.transition(job_id, **changes)
+        if changed and rec is not None and before is not None and rec.state != before.state:
+            state = rec.state.value.lower() if hasattr(rec.state, "value") else str(rec.state).lower()
+            if state in JOB_STATES:
+                self._metrics.jobs_total.labels(state).inc()
+            if state in TERMINAL_STATES:
+                self._observe_durations(rec, state)
+        return rec, changed
+
+    def _observe_durations(self, rec: Any, state: str) -> None:
+        finished = getattr(rec, "finished_at", None) or time.time()
+        created = getattr(rec, "created_at", None)
+        if created:
+            self._metrics.job_duration_seconds.labels(state).observe(max(0.0, finished - created))
+        for stage, timing in (getattr(rec, "stage_timings", None) or {}).items():
+            if stage in STAGES and timing.started_at is not None:
+                end = timing.finished_at or finished
+                self._metrics.stage_duration_seconds.labels(stage).observe(max(0.0, end - timing.started_at))
+
+
+def sample_queue_depth(broker_url: str, interval_s: float = 5.0, queues: tuple[str, ...] = QUEUES,
+                       metrics: FxportMetrics | None = None) -> Any:
+    """Keep fxport_queue_depth{queue} current from a daemon thread: Celery's Redis transport
+    keeps each queue as a list named after it. Returns the thread's stop event."""
+    import threading
+
+    import redis
+
+    metrics = metrics or METRICS
+    client = redis.Redis.from_url(broker_url, socket_timeout=1, socket_connect_timeout=1)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            for queue in queues:
+                try:
+                    metrics.queue_depth.labels(queue).set(client.llen(queue))
+                except Exception:  # broker down: keep the last value, try again next round
+                    pass
+            stop.wait(interval_s)
+
+    threading.Thread(target=loop, name="fxport-queue-depth", daemon=True).start()
+    return stop

@@ -139,6 +139,12 @@ def _add_cache_and_metrics(settings: Settings, servicer: ConversionServicer, on_
         box: list[Any] = []
         on_start.append(lambda: box.append(start_metrics_server(settings.metrics_port, addr=addr)[0]))
         on_stop.append(lambda: [m.shutdown() for m in box])
+        if settings.broker_url:
+            from fxport.metrics import sample_queue_depth
+
+            sampler: list[Any] = []
+            on_start.append(lambda: sampler.append(sample_queue_depth(settings.broker_url)))
+            on_stop.append(lambda: [stop.set() for stop in sampler])
 
 
 def create_server(
@@ -154,6 +160,10 @@ def create_server(
     artifacts = open_store(settings.store_url(), retry_s=settings.store_retry_s)
     # A blip is retried for a second; a longer outage answers UNAVAILABLE (service/unavailable.py).
     jobs = open_job_store(settings.job_store_url(), settings.home, retry_s=1.0)
+    if settings.metrics_port is not None:
+        from fxport.metrics import MeteredJobStore
+
+        jobs = MeteredJobStore(jobs)  # counts every state a job enters, in this process
     on_start: list[Callable[[], Any]] = []
     on_stop: list[Callable[[], Any]] = []
     before_stop: list[Callable[[], Any]] = []

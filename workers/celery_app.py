@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from celery import Celery
+from celery import Celery, signals
 from kombu import Queue
 
 from fxport.config import Settings
@@ -158,3 +158,14 @@ def message_kept_visible(celery_app: Celery, task_id: str, every_s: float) -> It
 
 
 app = create_celery_app()
+
+
+@signals.worker_process_shutdown.connect
+def _drop_dead_child_metrics(pid: int | None = None, **_: object) -> None:
+    """A pool child exits: its live gauges must stop counting in the summed /metrics."""
+    import os
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from fxport.metrics import mark_process_dead
+
+        mark_process_dead(pid or os.getpid())

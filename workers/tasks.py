@@ -33,7 +33,8 @@ def context() -> WorkerContext:
         settings = Settings()
         _ctx = WorkerContext(
             # Ride out a broker restart (AOF replay) instead of failing the attempt mid-job.
-            jobs=open_job_store(settings.job_store_url(), settings.home, retry_s=JOB_STORE_RETRY_S),
+            jobs=_metered(open_job_store(settings.job_store_url(), settings.home, retry_s=JOB_STORE_RETRY_S),
+                          settings),
             artifacts=open_store(settings.store_url(), retry_s=settings.store_retry_s),
             settings=settings,
             enqueue_stage=enqueue_stage,
@@ -203,3 +204,12 @@ def _is_broker_outage(exc: BaseException | None) -> bool:
     except ImportError:
         return False
     return isinstance(exc, (redis.ConnectionError, redis.TimeoutError))
+
+
+def _metered(store, settings):  # noqa: ANN001, ANN202
+    """With metrics on (FXPORT_METRICS_PORT), count job states and stage durations this worker records."""
+    if settings.metrics_port is None:
+        return store
+    from fxport.metrics import MeteredJobStore
+
+    return MeteredJobStore(store)
