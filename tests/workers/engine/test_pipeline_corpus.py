@@ -35,6 +35,9 @@ def _check_manifest(manifest: dict, out: Path, case_name: str, targets: tuple[st
     assert set(verified) == set(targets)
     for fmt, v in verified.items():
         assert v["passed"], f"{case_name}/{fmt}: {v}"
+        # one metrics entry per model output (multi_io returns two)
+        assert len(v["outputs"]) == (2 if case_name == "multi_io" else len(v["outputs"])) >= 1
+        assert max(o["max_abs_diff"] for o in v["outputs"]) == v["max_abs_diff"]
         # batch min (1), opt (2) and max (4) were all run
         first_dims = [s[0] if isinstance(s[0], int) else s[0][0] for s in v["shapes_checked"]]
         if case.dynamic_batch:

@@ -24,6 +24,7 @@ def compare_outputs(ref: list[np.ndarray], got: list[np.ndarray], opts: VerifyOp
     worst_abs = worst_rel = 0.0
     worst_cos = 1.0
     ok = True
+    per_output: list[dict[str, Any]] = []
     for i, (a, b) in enumerate(zip(ref, got)):
         if a.shape != b.shape:
             return {"passed": False, "error": f"output {i} has shape {list(b.shape)}, the model's {list(a.shape)}"}
@@ -46,8 +47,24 @@ def compare_outputs(ref: list[np.ndarray], got: list[np.ndarray], opts: VerifyOp
         na, nb = np.linalg.norm(a64), np.linalg.norm(b64)
         cos = float(np.dot(a64.ravel(), b64.ravel()) / (na * nb)) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
         worst_abs, worst_rel, worst_cos = max(worst_abs, max_abs), max(worst_rel, max_rel), min(worst_cos, cos)
-        ok = ok and bool(np.allclose(b64, a64, atol=opts.atol, rtol=opts.rtol)) and cos >= opts.min_cosine
-    return {"passed": ok, "max_abs_diff": worst_abs, "max_rel_diff": worst_rel, "cosine": worst_cos}
+        out_ok = bool(np.allclose(b64, a64, atol=opts.atol, rtol=opts.rtol)) and cos >= opts.min_cosine
+        ok = ok and out_ok
+        per_output.append({"output": i, "max_abs_diff": max_abs, "max_rel_diff": max_rel, "cosine": cos,
+                           "passed": out_ok})
+    return {"passed": ok, "max_abs_diff": worst_abs, "max_rel_diff": worst_rel, "cosine": worst_cos,
+            "outputs": per_output}
+
+
+def _merge_outputs(worst: list[dict[str, Any]], sample: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per output, the worst of each metric over the samples seen so far."""
+    if not worst:
+        return [dict(o) for o in sample]
+    for w, o in zip(worst, sample):
+        w["max_abs_diff"] = max(w["max_abs_diff"], o["max_abs_diff"])
+        w["max_rel_diff"] = max(w["max_rel_diff"], o["max_rel_diff"])
+        w["cosine"] = min(w["cosine"], o["cosine"])
+        w["passed"] = w["passed"] and o["passed"]
+    return worst
 
 
 def verify_artifacts(
@@ -93,6 +110,8 @@ def verify_artifacts(
                     record["max_rel_diff"] = max(record["max_rel_diff"], m["max_rel_diff"])
                     record["cosine"] = min(record["cosine"], m["cosine"])
                     record["passed"] = record["passed"] and m["passed"]
+                    if "outputs" in m:  # per output: the worst over every sample and shape
+                        record["outputs"] = _merge_outputs(record.get("outputs", []), m["outputs"])
                     for key in ("top1_same", "top1_rows"):
                         if key in m:
                             record[key] = record.get(key, 0) + m[key]
