@@ -45,6 +45,10 @@ def interleaved_latency_ms(fns: dict[str, Callable[[], Any]], runs: int, rounds:
     per_round = max(1, runs // rounds)
     for _ in range(rounds):
         for name, fn in fns.items():
+            # onnxruntime's pool threads spin for a while after a run: let the previous row's park,
+            # and warm this row's caches, before timing it
+            time.sleep(0.05)
+            fn()
             for _ in range(per_round):
                 start = time.perf_counter()
                 fn()
@@ -200,8 +204,8 @@ def main() -> None:
         f"layers {', '.join(q['worst'][:3])}. onnxruntime ran the fxport ONNX with "
         + ", ".join(f"{k} x{v}" for k, v in kernels.items()) + f". fxport's own verification — {verdicts}.",
         "",
-        f"Latency at batch 1: median of {runs} calls each, measured round-robin in 8 rounds (every row alike "
-        "under any load from other processes on this shared machine).",
+        f"Latency at batch 1: median of {runs} calls each, measured round-robin in 8 rounds of {runs // 8} "
+        "(after one untimed call), so that load from other processes on this shared machine hits every row alike.",
         "",
         "| artifact | cosine vs fp32 | top-1 agreement | ms | speed-up vs fp32 eager |",
         "|---|---|---|---|---|",

@@ -49,7 +49,11 @@ class Tolerances:
 
 def tolerances_for(spec: JobSpec, *, real_data: bool = False) -> Tolerances:
     """The tolerances in effect; `real_data`: int8 is judged on held-out samples from a calibration file."""
-    given = spec.verify.model_fields_set  # what the user wrote; the rest are fp32 defaults
+    # What the user chose: a value that differs from the fp32 default. (model_fields_set would
+    # not do: a spec re-parsed from its normalized form — as the worker and the sandbox get
+    # it — marks every field as set, and the precision defaults would never apply.)
+    defaults = VerifyOptions()
+    given = {name for name in VerifyOptions.model_fields if getattr(spec.verify, name) != getattr(defaults, name)}
     opts = spec.verify.model_copy()
     if spec.precision == "fp16":
         if "atol" not in given:

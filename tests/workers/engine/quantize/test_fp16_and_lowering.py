@@ -75,3 +75,14 @@ def test_lowered_linear_layers_match_exactly() -> None:
     x = case.example_inputs(2)
     with torch.no_grad():
         assert torch.allclose(lowered.graph_module(*x), result.graph_module(*x), atol=1e-5)
+
+
+def test_precision_defaults_survive_the_normalized_spec_round_trip() -> None:
+    # the worker and the sandbox re-parse spec.normalized(): fp16 must still get fp16 tolerances
+    from fxport.spec import parse_spec
+    from fxport.workers.engine.verify.precision import FP16_ATOL, tolerances_for
+
+    spec = parse_spec({"precision": "fp16"})
+    assert tolerances_for(parse_spec(spec.normalized())).options.atol == FP16_ATOL
+    explicit = parse_spec({"precision": "fp16", "verify": {"atol": 0.5}})
+    assert tolerances_for(parse_spec(explicit.normalized())).options.atol == 0.5
