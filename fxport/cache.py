@@ -121,11 +121,10 @@ class CacheSweepResult:
     kept_bytes: int = 0
     evicted_age: list[str] = field(default_factory=list)
     evicted_size: list[str] = field(default_factory=list)
-    dropped_invalid: list[str] = field(default_factory=list)
 
 
 class ProofFailed(Exception):
-    pass
+    """A cached artifact is gone, changed, or its bytes no longer hash to its recorded sha256."""
 
 
 class ResultCache:

@@ -213,7 +213,11 @@ class MeteredJobStore:
     def create(self, record: Any) -> Any:
         rec, created = self._store.create(record)
         if created:
-            self._metrics.jobs_total.labels("queued").inc()
+            # A result-cache hit is created SUCCEEDED: it never queued.
+            state = rec.state.value.lower() if hasattr(rec.state, "value") else "queued"
+            self._metrics.jobs_total.labels(state if state in JOB_STATES else "queued").inc()
+            if state in TERMINAL_STATES:
+                self._observe_durations(rec, state)
         return rec, created
 
     def transition(self, job_id: str, **changes: Any) -> Any:

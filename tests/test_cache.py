@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fxport.cache import CacheEntry, ResultCache, cache_key, spec_digest
+from fxport.cache import CacheEntry, ResultCache, spec_digest
 from fxport.jobs import ArtifactRecord, InputRef
 from fxport.spec import parse_spec
 from fxport.storage import FileStore, artifact_key

@@ -114,7 +114,7 @@ def upload_outputs(
     formats = {a.get("path"): a.get("format") for a in (manifest or {}).get("artifacts", []) if a.get("path")}
     validated = {a.get("path"): a.get("sha256") for a in (manifest or {}).get("artifacts", [])} if ctx.engine is None else {}
     early = dict(early or {})
-    uploaded = []
+    todo: list[tuple[str, str, Path, StoredObject | None]] = []
     for path in sorted(out_dir.rglob("*")):
         if path.is_symlink():
             raise FxportError(f"output {path.name!r} is a symlink; refusing to upload it", stage="upload",
@@ -124,14 +124,22 @@ def upload_outputs(
         name = path.relative_to(out_dir).as_posix()
         if only is not None and name not in only:
             continue
-        key = artifact_key(rec.tenant, rec.id, check_artifact_name(name))
-        before = early.pop(name, None)
+        todo.append((name, artifact_key(rec.tenant, rec.id, check_artifact_name(name)), path, early.pop(name, None)))
+
+    def store(item: tuple[str, str, Path, StoredObject | None]) -> ArtifactRecord:
+        name, key, path, before = item
         if before is not None and before.sha256 == (validated.get(name) or sha256_file(path)[0]):
             stored = before
         else:
             stored = ctx.artifacts.put_file(key, path)
-        uploaded.append(ArtifactRecord(name=name, format=artifact_format(name, formats), key=key,
-                                       bytes=stored.bytes, sha256=stored.sha256))
+        return ArtifactRecord(name=name, format=artifact_format(name, formats), key=key,
+                              bytes=stored.bytes, sha256=stored.sha256)
+
+    # A few objects at once: each is mostly a round trip to the store.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(todo)))) as pool:
+        uploaded = list(pool.map(store, todo))
     for gone in early.values():  # uploaded early, no longer an output
         ctx.artifacts.delete_object(gone.key)
     return uploaded
