@@ -24,7 +24,7 @@ import urllib.parse
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, TypeVar
+from typing import IO, Any, Callable, Iterable, Iterator, TypeVar
 
 from fxport.errors import FxportError
 
@@ -124,6 +124,29 @@ def sha256_file(path: Path) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
+def write_verified(key: str, chunks: Iterable[bytes], meta: StoredObject, dest: Path) -> StoredObject:
+    """Write `chunks` to `dest` through a .part file, hashing as they come; `dest` appears only
+    if size and sha256 match `meta`, else IntegrityError and nothing is left behind."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    h, n = hashlib.sha256(), 0
+    try:
+        with open(part, "wb") as f:
+            for chunk in chunks:
+                h.update(chunk)
+                n += len(chunk)
+                f.write(chunk)
+        if h.hexdigest() != meta.sha256 or n != meta.bytes:
+            raise IntegrityError(
+                f"object {key!r} is corrupt: read {n} bytes with sha256 {h.hexdigest()[:12]}…, "
+                f"recorded {meta.bytes} bytes with sha256 {meta.sha256[:12]}…"
+            )
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
+    return meta
+
+
 class ArtifactStore(ABC):
     """Content with its sha256. Keys come from `input_key` / `artifact_key`."""
 
@@ -160,24 +183,7 @@ class ArtifactStore(ABC):
         meta = self.head(key)
         if meta is None:
             raise ObjectNotFound(f"no object {key!r} in {self.url}")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(dest.name + ".part")
-        h, n = hashlib.sha256(), 0
-        try:
-            with open(part, "wb") as f:
-                for chunk in self.iter_chunks(key):
-                    h.update(chunk)
-                    n += len(chunk)
-                    f.write(chunk)
-            if h.hexdigest() != meta.sha256 or n != meta.bytes:
-                raise IntegrityError(
-                    f"object {key!r} is corrupt: read {n} bytes with sha256 {h.hexdigest()[:12]}…, "
-                    f"recorded {meta.bytes} bytes with sha256 {meta.sha256[:12]}…"
-                )
-            os.replace(part, dest)
-        finally:
-            part.unlink(missing_ok=True)
-        return meta
+        return write_verified(key, self.iter_chunks(key), meta, dest)
 
     @abstractmethod
     def delete_object(self, key: str) -> None:
@@ -520,24 +526,10 @@ class S3Store(ArtifactStore):
             log.warning("object %s has no sha256 metadata; ignoring it", key)
             raise ObjectNotFound(f"no object {key!r} with a recorded sha256 in {self.url}")
         meta = StoredObject(key=key, bytes=int(resp["ContentLength"]), sha256=recorded)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(dest.name + ".part")
-        h, n = hashlib.sha256(), 0
         try:
-            with open(part, "wb") as f:
-                for chunk in body.iter_chunks(CHUNK):
-                    h.update(chunk)
-                    n += len(chunk)
-                    f.write(chunk)
-            if h.hexdigest() != meta.sha256 or n != meta.bytes:
-                raise IntegrityError(
-                    f"object {key!r} is corrupt: read {n} bytes with sha256 {h.hexdigest()[:12]}…, "
-                    f"recorded {meta.bytes} bytes with sha256 {meta.sha256[:12]}…"
-                )
-            os.replace(part, dest)
+            write_verified(key, body.iter_chunks(CHUNK), meta, dest)
         finally:
             body.close()
-            part.unlink(missing_ok=True)
         return meta
 
     def delete_object(self, key: str) -> None:
