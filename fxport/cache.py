@@ -123,6 +123,15 @@ class CacheSweepResult:
     evicted_size: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Remembered:
+    """What a worker's `remember` wrote: the key, the job, and the entry it replaced (if another job's)."""
+
+    key: str
+    job_id: str
+    replaced: CacheEntry | None = None
+
+
 class ProofFailed(Exception):
     """A cached artifact is gone, changed, or its bytes no longer hash to its recorded sha256."""
 
@@ -252,8 +261,13 @@ class ResultCache:
     # -- writes (workers) ------------------------------------------------------------------
 
     def remember(self, key: str, *, tenant: str, job_id: str, model: Any, calibration: Any, spec: JobSpec,
-                 toolchain: dict[str, Any], artifacts: Iterable[ArtifactRecord]) -> CacheEntry:
-        """Write the entry for a job that SUCCEEDED. `model`/`calibration`: its InputRefs."""
+                 toolchain: dict[str, Any], artifacts: Iterable[ArtifactRecord]) -> Remembered:
+        """Write the entry for a job that SUCCEEDED. `model`/`calibration`: its InputRefs.
+
+        The newest result wins (a `--no-cache` run refreshes the entry); the entry it replaced
+        comes back in the result, so that a job cancelled after this write can put it back
+        (`forget`) instead of leaving no entry at all."""
+        replaced = self.read(key)
         now = time.time()
         entry = CacheEntry(key=key, tenant=tenant, job_id=job_id, created_at=now, last_used_at=now,
                            model_sha256=model.sha256, model_bytes=model.bytes,
@@ -261,7 +275,24 @@ class ResultCache:
                            calibration_bytes=calibration.bytes if calibration else 0,
                            spec_digest=spec_digest(spec), toolchain=toolchain, artifacts=list(artifacts))
         self._write(entry)
-        return entry
+        return Remembered(key, job_id, replaced if replaced is not None and replaced.job_id != job_id else None)
+
+    def forget(self, remembered: "Remembered") -> None:
+        """Undo `remember` for a job that did not become SUCCEEDED after all (cancelled meanwhile).
+        Only if the entry still names that job: a newer job's entry stays. The entry it replaced
+        is put back while its artifacts are intact; otherwise the key is dropped."""
+        entry = self.read(remembered.key)
+        if entry is None or entry.job_id != remembered.job_id:
+            return
+        previous = remembered.replaced
+        if previous is not None:
+            try:
+                self._check(previous, rehash=False)
+                self._write(previous)
+                return
+            except ProofFailed:
+                pass
+        self.drop(remembered.key)
 
     def _write(self, entry: CacheEntry) -> None:
         self.store.put_stream(entry_key(entry.key), io.BytesIO(entry.model_dump_json(indent=1).encode()))
@@ -338,10 +369,11 @@ class CacheSweeper:
                 log.warning("cache sweep failed: %s", exc)
 
 
-def remember_job_result(store: ArtifactStore, settings: Any, record: Any, toolchain: dict[str, Any] | None) -> str | None:
+def remember_job_result(store: ArtifactStore, settings: Any, record: Any,
+                        toolchain: dict[str, Any] | None) -> Remembered | None:
     """Worker side: write the cache entry of a job that just SUCCEEDED, keyed with the toolchain
-    that made it (`job_fingerprint` of this worker). Returns the key, or None when not cached.
-    Never raises: a cache that cannot be written costs later hits, not this job."""
+    that made it (`job_fingerprint` of this worker). Returns what was written (for `forget_job_result`),
+    or None when not cached. Never raises: a cache that cannot be written costs later hits, not this job."""
     cache = ResultCache.from_settings(store, settings)
     try:
         spec = JobSpec.model_validate(record.spec)
@@ -350,10 +382,19 @@ def remember_job_result(store: ArtifactStore, settings: Any, record: Any, toolch
                             toolchain)
         if key is None or not record.artifacts:
             return None
-        cache.remember(key, tenant=record.tenant, job_id=record.id, model=record.model, calibration=calibration,
-                       spec=spec, toolchain=toolchain or {}, artifacts=record.artifacts)
-        return key
+        return cache.remember(key, tenant=record.tenant, job_id=record.id, model=record.model,
+                              calibration=calibration, spec=spec, toolchain=toolchain or {},
+                              artifacts=record.artifacts)
     except Exception as exc:
         log.warning("could not write the cache entry of job %s: %s", record.id, exc)
         return None
 
+
+def forget_job_result(store: ArtifactStore, remembered: Remembered | None) -> None:
+    """Worker side: the job remembered did not become SUCCEEDED (cancelled meanwhile)."""
+    if remembered is None:
+        return
+    try:
+        ResultCache(store).forget(remembered)
+    except Exception as exc:
+        log.warning("could not undo the cache entry of job %s: %s", remembered.job_id, exc)

@@ -148,3 +148,38 @@ def test_a_malformed_entry_is_dropped(tmp_path):
     store.put_stream(f"cache/{k}/manifest.json", io.BytesIO(b"{not json"))
     assert cache.lookup(k).reason == "no entry" and not store.exists(f"cache/{k}/manifest.json")
     assert CacheEntry.model_fields["artifacts"]  # the schema the entries are checked against
+
+
+def test_a_late_cancel_puts_back_the_entry_its_job_replaced(tmp_path):
+    """A second job with the same key (--no-cache, or a pre-upload miss that raced the first)
+    converts, remembers its result, and is then cancelled: the first job's entry must come back."""
+    store = FileStore(tmp_path / "store")
+    cache = ResultCache(store)
+    k, first_arts = _cached_result(store, tmp_path, cache, job=JOB)
+    later, newest = "01jz0000000000000000000009", "01jz0000000000000000000010"
+    _, later_arts = _cached_result(store, tmp_path, cache, job=later, size=100)
+    spec = parse_spec({"targets": ["onnx"]})
+    ref = InputRef(sha256=MODEL, bytes=10, key=f"t1/inputs/{MODEL}")
+    cache.drop(k)  # start with no entry: only the artifacts of both jobs
+
+    def remember(job: str, arts: list[ArtifactRecord]):
+        return cache.remember(k, tenant="t1", job_id=job, model=ref, calibration=None, spec=spec,
+                              toolchain=TOOLCHAIN, artifacts=arts)
+
+    cache.forget(remember(JOB, first_arts))
+    assert cache.read(k) is None  # no earlier entry to restore: cancelled → nothing cached
+    remember(JOB, first_arts)
+    mine = remember(later, later_arts)  # the newest result wins...
+    assert cache.read(k).job_id == later and mine.replaced.job_id == JOB
+    cache.forget(mine)  # ...until its job turns out cancelled
+    assert cache.read(k).job_id == JOB and cache.lookup(k).hit
+
+    mine = remember(later, later_arts)
+    remember(newest, first_arts)  # a newer job's entry, written after ours, is not ours to undo
+    cache.forget(mine)
+    assert cache.read(k).job_id == newest
+
+    mine = remember(later, later_arts)
+    store.delete_object(first_arts[0].key)  # what it replaced lost its artifacts meanwhile
+    cache.forget(mine)
+    assert cache.read(k) is None

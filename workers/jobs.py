@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from fxport.cache import Remembered, forget_job_result, remember_job_result
 from fxport.config import Settings
 from fxport.errors import FxportError, JobCancelled
 from fxport.jobs import ArtifactRecord, JobErrorInfo, JobRecord, JobState, JobStore
@@ -381,7 +382,7 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
     cached = _remember(ctx, rec, artifacts, local_toolchain())
     rec, changed = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
     if not changed:
-        _forget(ctx, cached)
+        forget_job_result(ctx.artifacts, cached)
     if not changed and rec is not None and rec.state is JobState.CANCELLED:
         return _cancelled_cleanup(ctx, rec)
     log.info("job succeeded", extra={"artifacts": len(artifacts)})
@@ -389,10 +390,9 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
 
 
 def _remember(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord],
-              cpu_toolchain: dict[str, Any] | None) -> str | None:
+              cpu_toolchain: dict[str, Any] | None) -> Remembered | None:
     """Write the result cache entry of a job about to be SUCCEEDED with `artifacts`, keyed with
-    the toolchain that made them. Returns its key (None: not cached)."""
-    from fxport.cache import remember_job_result
+    the toolchain that made them. Returns what was written (None: not cached)."""
     from fxport.toolchain import job_fingerprint
 
     if not ctx.settings.cache_enabled:
@@ -401,14 +401,6 @@ def _remember(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord
     fingerprint = job_fingerprint(cpu_toolchain, local_toolchain(gpu=True) if engine else None, engine=engine)
     return remember_job_result(ctx.artifacts, ctx.settings, rec.model_copy(update={"artifacts": artifacts}),
                                fingerprint)
-
-
-def _forget(ctx: WorkerContext, key: str | None) -> None:
-    """The job did not become SUCCEEDED after all (cancelled meanwhile): no entry for it."""
-    if key is not None:
-        from fxport.cache import ResultCache
-
-        ResultCache(ctx.artifacts).drop(key)
 
 
 def _was_cancelled(ctx: WorkerContext, job_id: str, cancel: _CancelWatch) -> bool:
@@ -509,7 +501,7 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
     cached = _remember(ctx, rec, artifacts, (cpu_manifest or {}).get("toolchain"))
     rec, changed = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
     if not changed:
-        _forget(ctx, cached)
+        forget_job_result(ctx.artifacts, cached)
     return rec
 
 
