@@ -8,17 +8,31 @@ SVG come from libraries that escape their own text (pygal via etree, Graphviz's 
 
 Libraries, both optional at run time so the report never crashes for lack of them:
 - pygal (pure Python) draws the bar charts as SVG;
-- the `graphviz` package writes DOT and runs Graphviz's `dot` binary to lay out the FX graph.
+- the `graphviz` package writes DOT and Graphviz's `dot` binary lays out the FX graph.
 A missing one leaves a note in its section and the tables still render.
+
+Who runs `dot` is the caller's choice (`layout`): by default a plain subprocess; a worker passes
+one confined like its sandbox (fxport/workers/sandbox_confine.py `confined_dot`), since the
+sandboxed engine itself may not start processes. Layouts are remembered by the sha256 of the
+DOT source: the same architecture (new weights, a rerun, graph_after == graph_before when no
+pass changed anything) is laid out once per process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import re
+import subprocess
+import threading
+from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
+
+# DOT source → SVG bytes; raises FileNotFoundError when there is no `dot` to run.
+DotLayout = Callable[[bytes], bytes]
 
 # Graph diagrams with more boxes (non-get_attr nodes) than this start collapsed;
 # past MAX_DRAWN_NODES boxes only the first ones are drawn.
@@ -26,6 +40,7 @@ COLLAPSE_ABOVE_NODES = 60
 MAX_DRAWN_NODES = 300
 # dot is deterministic and fast for MAX_DRAWN_NODES nodes; the limit guards against a wedged binary.
 DOT_TIMEOUT_S = 60
+LAYOUT_CACHE_ENTRIES = 64
 
 # Page order: what a reader checks first (did it work, does it match, where does time go) comes first.
 SECTIONS = (
@@ -93,8 +108,9 @@ details > summary { cursor: pointer; color: #1a56db; margin: 6px 0; }
 """
 
 
-def render_report(manifest: dict[str, Any]) -> str:
-    """The whole report.html for `manifest` (a parsed manifest.json) as one string."""
+def render_report(manifest: dict[str, Any], *, layout: DotLayout | None = None) -> str:
+    """The whole report.html for `manifest` (a parsed manifest.json) as one string.
+    `layout` runs `dot` (default: `run_dot`, a plain subprocess)."""
     job = manifest.get("job_id") or "local conversion"
     status = str(manifest.get("status") or "unknown")
     renderers: dict[str, Callable[[dict[str, Any]], Optional[str]]] = {
@@ -109,7 +125,7 @@ def render_report(manifest: dict[str, Any]) -> str:
         "parity": _parity_section,
         "profile": _profile_section,
         "quantization": _quantization_section,
-        "graph": _graph_section,
+        "graph": partial(_graph_section, layout=layout or run_dot),
         "warnings": _warnings_section,
         "timings": _timings_section,
     }
@@ -133,7 +149,7 @@ def render_report(manifest: dict[str, Any]) -> str:
     )
 
 
-def write_report(manifest_path: Path, out_path: Path | None = None) -> Path:
+def write_report(manifest_path: Path, out_path: Path | None = None, *, layout: DotLayout | None = None) -> Path:
     """Read manifest.json, write report.html (beside it unless `out_path`), return the path written."""
     manifest = json.loads(Path(manifest_path).read_text(encoding="utf-8"))
     if not isinstance(manifest, dict):
@@ -141,7 +157,7 @@ def write_report(manifest_path: Path, out_path: Path | None = None) -> Path:
         raise ValueError(f"{manifest_path} is not a manifest: its top level is {kind}, not an object")
     out = Path(out_path) if out_path else Path(manifest_path).with_name("report.html")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_report(manifest), encoding="utf-8")
+    out.write_text(render_report(manifest, layout=layout), encoding="utf-8")
     return out
 
 
@@ -360,7 +376,7 @@ def _quantization_section(m: dict[str, Any]) -> Optional[str]:
                      row_classes=classes))
 
 
-def _graph_section(m: dict[str, Any]) -> Optional[str]:
+def _graph_section(m: dict[str, Any], layout: DotLayout) -> Optional[str]:
     before, after = m.get("graph_before"), m.get("graph_after")
     if not before and not after:
         return '<p class="note">No FX graph: the job stopped before capture, or the input was ONNX.</p>'
@@ -369,7 +385,7 @@ def _graph_section(m: dict[str, Any]) -> Optional[str]:
         g = m.get(key)
         if g:
             gid = key.replace("_", "-")
-            cols.append(f'<div id="{gid}"><h3>{title}</h3>{_graph_block(gid, g)}</div>')
+            cols.append(f'<div id="{gid}"><h3>{title}</h3>{_graph_block(gid, g, layout)}</div>')
     return ('<p class="note">Parameters and buffers (get_attr nodes) are folded into the node that uses them. '
             "Hover a node for its full target.</p>" + f'<div class="graphs">{"".join(cols)}</div>')
 
@@ -421,13 +437,13 @@ def _bar_chart(chart_id: str, labels: list[str], values: list[dict[str, Any]], *
 # ---------------------------------------------------------------- FX graph (graphviz dot)
 
 
-def _graph_block(prefix: str, g: dict[str, Any]) -> str:
+def _graph_block(prefix: str, g: dict[str, Any], layout: DotLayout) -> str:
     nodes = g.get("nodes") or []
     total = int(g.get("node_count") or len(nodes))
     notes = []
     if len(nodes) < total:
         notes.append(f"the manifest lists only the first {len(nodes)} of {total} nodes")
-    drawn_svg = _graph_svg(prefix, nodes, notes)
+    drawn_svg = _graph_svg(prefix, nodes, notes, layout)
     note_html = "".join(f'<p class="note">{_e(n)}</p>' for n in notes)
     # What makes a diagram big on the page is its boxes; get_attr nodes are folded, so they don't count.
     boxes = sum(1 for n in nodes if n.get("op") != "get_attr")
@@ -442,7 +458,32 @@ def _graph_block(prefix: str, g: dict[str, Any]) -> str:
     return diagram + table
 
 
-def _graph_svg(prefix: str, nodes: list[dict[str, Any]], notes: list[str]) -> str:
+def run_dot(source: bytes) -> bytes:
+    """`dot -Tsvg` as a plain subprocess (a local `fxport convert` or `fxport report`)."""
+    return subprocess.run(["dot", "-Tsvg"], input=source, capture_output=True, check=True,
+                          timeout=DOT_TIMEOUT_S).stdout
+
+
+_layouts: "OrderedDict[str, bytes]" = OrderedDict()
+_layouts_lock = threading.Lock()
+
+
+def _cached_layout(source: bytes, layout: DotLayout) -> bytes:
+    """`layout(source)`, remembered by the source's sha256 (the LAYOUT_CACHE_ENTRIES most recent)."""
+    key = hashlib.sha256(source).hexdigest()
+    with _layouts_lock:
+        if key in _layouts:
+            _layouts.move_to_end(key)
+            return _layouts[key]
+    svg = layout(source)
+    with _layouts_lock:
+        _layouts[key] = svg
+        while len(_layouts) > LAYOUT_CACHE_ENTRIES:
+            _layouts.popitem(last=False)
+    return svg
+
+
+def _graph_svg(prefix: str, nodes: list[dict[str, Any]], notes: list[str], layout: DotLayout) -> str:
     try:
         import graphviz
     except ImportError:
@@ -480,11 +521,14 @@ def _graph_svg(prefix: str, nodes: list[dict[str, Any]], notes: list[str]) -> st
             if src in ids:
                 dot.edge(ids[src], ids[str(n.get("name"))])
     try:
-        svg = graphviz.pipe("dot", "svg", dot.source.encode("utf-8"), quiet=True).decode("utf-8")
-    except graphviz.ExecutableNotFound:
+        svg = _cached_layout(dot.source.encode("utf-8"), layout).decode("utf-8")
+    except FileNotFoundError:
         return ('<p class="missing graph-missing">Graph not drawn: the layout tool Graphviz <code>dot</code> is not '
                 "installed (apt-get install graphviz). The node table below lists the graph.</p>")
-    except Exception as exc:  # a dot crash on an odd graph must not cost the rest of the report
+    except subprocess.CalledProcessError as exc:  # a dot crash on an odd graph must not cost the rest of the report
+        why = (exc.stderr or b"").decode("utf-8", "replace").strip()[-300:] or f"exit status {exc.returncode}"
+        return f'<p class="missing graph-missing">Graph not drawn: dot failed: {_e(why)}</p>'
+    except Exception as exc:
         return f'<p class="missing graph-missing">Graph not drawn: dot failed: {_e(type(exc).__name__)}: {_e(exc)}</p>'
     svg = svg[svg.find("<svg"):]  # drop the XML prolog and DOCTYPE: invalid inside HTML
     svg = _strip_scripts_and_comments(svg)

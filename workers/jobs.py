@@ -522,12 +522,9 @@ def _merge_failed_manifest(cpu_manifest: dict[str, Any] | None, path: Path) -> N
 
 def _rewrite_report(manifest_path: Path) -> None:
     """report.html from the merged manifest (the stage's own report shows the engine alone)."""
-    from fxport.report import write_report
+    from fxport.workers.sandbox import draw_report
 
-    try:
-        write_report(manifest_path)
-    except Exception as exc:  # a report problem never fails the job
-        log.warning("report.html could not be rewritten: %s", exc)
+    draw_report(manifest_path.parent)
 
 
 def _stored_manifest(ctx: WorkerContext, art: ArtifactRecord | None, path: Path) -> dict[str, Any] | None:

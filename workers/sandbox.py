@@ -39,6 +39,7 @@ _KEEP_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED",
 TIMING_CACHE_OUT = "tensorrt-timing.cache"
 MAX_FILE_BYTES = 16 << 30
 MAX_OPEN_FILES = 1024
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists nodes and metrics, never weights
 
 _ERROR_TYPES: dict[str, type[errors.FxportError]] = {
     cls.code: cls
@@ -378,6 +379,7 @@ def run_engine_job(
         elapsed = time.monotonic() - started
         result_path = work / "result.json"
         if rc != 0 or not result_path.exists():
+            draw_report(out_dir)
             raise _death_error(rc, last_stage["stage"], memory, timeout, elapsed, _tail(log_path))
         result = json.loads(result_path.read_text())
     if cache_out is not None and timing_cache_path is not None:
@@ -392,6 +394,7 @@ def run_engine_job(
     for problem in box.get("errors", ()):
         logging.getLogger(__name__).warning("job %s: sandbox confinement incomplete: %s", job_id, problem)
     if not result.get("ok"):
+        draw_report(out_dir)
         err = result["error"]
         if err.get("code") == "resource_limit":
             _count_failure("memory")
@@ -407,7 +410,25 @@ def run_engine_job(
         _count_failure("invalid_output")
         raise
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    draw_report(out_dir)
     return manifest
+
+
+def draw_report(out_dir: Path) -> None:
+    """report.html from out_dir/manifest.json, drawn here: the child may not start `dot`, so
+    it leaves the report to this side, which runs `dot` confined (sandbox_confine.confined_dot).
+    The manifest is the child's (untrusted): every string in it is escaped by the report, and
+    one too big to be a manifest is not read. A report problem never fails the job."""
+    from fxport.report import write_report
+    from fxport.workers.sandbox_confine import confined_dot
+
+    path = out_dir / "manifest.json"
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+            return
+        write_report(path, layout=confined_dot)
+    except Exception as exc:
+        logging.getLogger(__name__).warning("report.html could not be drawn: %s: %s", type(exc).__name__, exc)
 
 
 def _tail(path: Path, limit: int = 4000) -> str:

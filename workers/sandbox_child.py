@@ -54,6 +54,7 @@ def run_request(request_path: str) -> int:
             on_progress=on_progress,
             deferred_targets=request.get("deferred_targets") or (),
             input_sha256=request.get("input_sha256"),
+            report=False,  # drawn by the parent, which may start `dot` (workers/sandbox.py)
             **_timing_cache_paths(request.get("timing_cache")),
         )
         manifest["sandbox"] = sandbox_info

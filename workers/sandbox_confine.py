@@ -205,3 +205,41 @@ def confine(writable: Iterable[Path]) -> dict[str, Any]:
     if errors:
         info["errors"] = errors
     return info
+
+
+# -- Graphviz `dot` for the job report, outside the engine's sandbox ------------------------
+
+DOT_MEMORY_BYTES = 1 << 30
+DOT_CPU_S = 30
+
+
+def _confine_dot() -> None:
+    """preexec_fn of `dot` (the forked child, one thread, before exec): rlimits, then `confine`
+    with nothing writable — no writes, no TCP, no new processes, no capabilities."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (DOT_MEMORY_BYTES, DOT_MEMORY_BYTES))
+    resource.setrlimit(resource.RLIMIT_CPU, (DOT_CPU_S, DOT_CPU_S))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    confine([])
+
+
+def confined_dot(source: bytes) -> bytes:
+    """`dot -Tsvg` for a report drawn from an untrusted manifest (fxport/report.py `DotLayout`).
+
+    The engine's sandbox may not start processes, so report.html is drawn by its trusted
+    parent (workers/sandbox.py). The graph's labels come from the model (node names and
+    targets, escaped and quoted in the DOT source), so `dot` runs confined like the sandbox:
+    an empty environment (no credentials), an empty working folder, address-space and CPU
+    limits, and `confine([])` — nothing writable, no TCP, no new processes, no ptrace or
+    /proc/<pid>/environ of the worker."""
+    import subprocess
+    import tempfile
+
+    from fxport.report import DOT_TIMEOUT_S
+
+    with tempfile.TemporaryDirectory(prefix="fxport-dot-") as cwd:
+        return subprocess.run(["dot", "-Tsvg"], input=source, capture_output=True, check=True, cwd=cwd,
+                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
+                              preexec_fn=_confine_dot if platform.system() == "Linux" else None,
+                              timeout=DOT_TIMEOUT_S).stdout

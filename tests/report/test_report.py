@@ -244,6 +244,9 @@ def test_remote_ref_probe_catches_what_it_must() -> None:
 def test_missing_dot_binary_leaves_a_note_and_the_tables(manifest: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
                                                          tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` on an empty PATH
+    from fxport import report
+
+    monkeypatch.setattr(report, "_layouts", type(report._layouts)())  # nothing laid out earlier
     text, idx = _index(manifest)
     assert "Graphviz <code>dot</code> is not installed" in text
     assert idx.svg_in.get("graph") is None

@@ -94,6 +94,7 @@ def convert(
     timing_cache_path: Path | None = None,
     timing_cache_out: Path | None = None,
     input_sha256: str | None = None,
+    report: bool = True,
 ) -> dict[str, Any]:
     """Convert the model at `model_path` per `spec` into `out_dir`. Returns the manifest.
 
@@ -104,6 +105,7 @@ def convert(
     ONNX model: this run makes and preflights that ONNX model instead of building them.
     `timing_cache_path`: a TensorRT timing cache file a build reads; the merged cache is written to
     `timing_cache_out` (default: the same file). See tensorrt/timing_cache.py.
+    `report`: also write report.html (the sandbox leaves it to its parent, which may run `dot`).
     Raises an FxportError subclass naming the stage; manifest.json is written either way.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -139,7 +141,8 @@ def convert(
         raise err from exc
     finally:
         (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-        _write_report(out_dir / "manifest.json", manifest)
+        if report:
+            _write_report(out_dir / "manifest.json", manifest)
     return manifest
 
 

@@ -1,0 +1,57 @@
+"""report.html of a job run in the sandbox: the child may not start processes, so its trusted
+parent draws the report, running Graphviz's `dot` confined (workers/sandbox_confine.confined_dot)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fxport import report
+from fxport.spec import parse_spec
+from tests.report.conftest import ReportIndex
+
+
+def test_a_sandboxed_job_report_has_both_graph_drawings(tiny_pt2: Path, tmp_path: Path, dot_binary: str):
+    from fxport.workers.sandbox import run_engine_job
+
+    run_engine_job(tiny_pt2, parse_spec({"targets": ["torchscript"], "verify": {"samples": 1}}), tmp_path / "out",
+                   job_id="report-box")
+    text = (tmp_path / "out" / "report.html").read_text()
+    assert "Graph not drawn" not in text, text[text.find("Graph not drawn"):][:300]
+    assert ReportIndex(text).svg_in.get("graph") == 2
+    assert "sandbox" in (tmp_path / "out" / "manifest.json").read_text()  # drawn from the parent's manifest
+
+
+def test_dot_runs_with_no_writes_no_processes_and_no_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The same preexec confinement, on a shell instead of dot: what dot could do if subverted."""
+    from fxport.workers.sandbox_confine import _confine_dot
+
+    monkeypatch.setenv("FXPORT_S3_SECRET_KEY", "not-for-dot")
+    probe = tmp_path / "written"
+    script = f"echo x > {probe}; echo write=$?; (true &); echo env=${{FXPORT_S3_SECRET_KEY:-none}}"
+    res = subprocess.run(["sh", "-c", script], capture_output=True, text=True, preexec_fn=_confine_dot,
+                         env={"PATH": "/usr/bin:/bin"}, timeout=30)
+    assert "write=2" in res.stdout and not probe.exists(), (res.stdout, res.stderr)
+    assert "Cannot fork" in res.stderr  # the subshell could not be started
+    assert "env=" not in res.stdout or "env=none" in res.stdout
+
+
+def test_a_graph_is_laid_out_once_per_architecture(dot_binary: str):
+    calls: list[bytes] = []
+
+    def counting(source: bytes) -> bytes:
+        calls.append(source)
+        return report.run_dot(source)
+
+    graph = {"node_count": 3, "nodes": [{"name": "x", "op": "placeholder", "target": "x", "inputs": []},
+                                        {"name": "relu_unique_42", "op": "call_function", "target": "aten.relu",
+                                         "inputs": ["x"]},
+                                        {"name": "output", "op": "output", "target": "output",
+                                         "inputs": ["relu_unique_42"]}]}
+    manifest = {"job_id": "a", "status": "succeeded", "graph_before": graph, "graph_after": graph}
+    first = report.render_report(manifest, layout=counting)
+    second = report.render_report({**manifest, "job_id": "b"}, layout=counting)
+    assert len(calls) == 1  # before == after, and the second job's graph is the first's
+    assert ReportIndex(first).svg_in.get("graph") == ReportIndex(second).svg_in.get("graph") == 2
