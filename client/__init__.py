@@ -51,6 +51,28 @@ TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 _MAX_MESSAGE = 8 << 20
 
 
+DIRECT_URL_EXPIRY_S = 300
+DIRECT_TIMEOUT_S = 5.0  # connect, and each read: a store that can't be reached from here costs this once
+
+
+class _DirectUnavailable(Exception):
+    """The object store did not serve a presigned URL from here (unreachable, refused, expired)."""
+
+
+def _url_chunks(url: str) -> Iterator[bytes]:
+    """GET `url` in CHUNK pieces. Any failure to get the bytes (unreachable, refused, expired,
+    cut off) raises _DirectUnavailable: the caller has the server relay the artifact instead."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=DIRECT_TIMEOUT_S) as resp:
+            while chunk := resp.read(CHUNK):
+                yield chunk
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise _DirectUnavailable(str(getattr(exc, "reason", exc))) from None
+
+
 def _state_name(value: int) -> str:
     return pb.JobState.Name(value).removeprefix("JOB_STATE_")
 
@@ -300,8 +322,14 @@ class Client:
 
     def __init__(self, target: str = DEFAULT_SERVER, token: str | None = None, tls: Any = None, *,
                  timeout: float = 30.0, reconnect_s: float = 60.0, chunk_size: int = CHUNK,
-                 retry_s: float = 30.0) -> None:
+                 retry_s: float = 30.0, direct_download: bool | None = None) -> None:
+        """`direct_download`: fetch artifacts straight from the object store through presigned
+        URLs (GetArtifactUrl) instead of through the server. None (default): when the server
+        can presign and the store answers from here, else through the server; True: only
+        directly; False: only through the server."""
         self.target = target
+        self.direct_download = direct_download
+        self._direct_works: bool | None = None  # learnt on the first artifact
         self.timeout = timeout
         self.reconnect_s = reconnect_s
         self.retry_s = retry_s
@@ -486,29 +514,57 @@ class Client:
         return resp.url
 
     def _download_one(self, job_id: str, art: dict[str, Any], target: Path) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        part = target.with_name(target.name + ".part")
-        h, n, header = hashlib.sha256(), 0, None
+        """One artifact into `target`, its bytes and sha256 checked against the job record:
+        from the object store directly when it can be (`direct_download`), else streamed by
+        the server (DownloadArtifact)."""
+        if self.direct_download is not False and self._direct_works is not False:
+            try:
+                url = self.artifact_url(job_id, art["name"], expires_s=DIRECT_URL_EXPIRY_S)
+                self._write_verified(_url_chunks(url), art, target)
+                self._direct_works = True
+                return
+            except (RequestRefused, _DirectUnavailable) as exc:  # no presigned URLs, or no way to the store
+                if self.direct_download:
+                    raise ServerUnreachable(f"{art['name']}: cannot download directly from the object store "
+                                            f"({exc}); use direct_download=False to have the server relay it") from None
+                self._direct_works = False  # not from here: the server relays, this time and after
         try:
-            with open(part, "wb") as f:
-                stream = self._stub.DownloadArtifact(pb.DownloadArtifactRequest(job_id=job_id, name=art["name"]),
-                                                     metadata=self._metadata)
+            stream = self._stub.DownloadArtifact(pb.DownloadArtifactRequest(job_id=job_id, name=art["name"]),
+                                                 metadata=self._metadata)
+            header: dict[str, str] = {}
+
+            def chunks() -> Iterator[bytes]:
                 for msg in stream:
                     if msg.WhichOneof("payload") == "header":
-                        header = msg.header
+                        header["sha256"] = msg.header.sha256
                         continue
-                    h.update(msg.chunk)
-                    n += len(msg.chunk)
-                    f.write(msg.chunk)
+                    yield msg.chunk
+
+            self._write_verified(chunks(), art, target, header)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+
+    @staticmethod
+    def _write_verified(chunks: Iterator[bytes], art: dict[str, Any], target: Path,
+                        header: dict[str, str] | None = None) -> None:
+        """Write `chunks` to target.part, hashing as they come; rename into place only when size
+        and sha256 match the job record (and the stream's own header, if it sent one)."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        part = target.with_name(target.name + ".part")
+        h, n = hashlib.sha256(), 0
+        try:
+            with open(part, "wb") as f:
+                for chunk in chunks:
+                    h.update(chunk)
+                    n += len(chunk)
+                    f.write(chunk)
             digest = h.hexdigest()
-            expected = {art["sha256"], header.sha256 if header else art["sha256"]}
+            expected = {art["sha256"], (header or {}).get("sha256") or art["sha256"]}
             if len(expected) != 1 or digest not in expected or n != art["bytes"]:
                 raise IntegrityError(
                     f"{art['name']}: downloaded {n} bytes with sha256 {digest}, expected {art['bytes']} bytes "
                     f"with sha256 {art['sha256']}"
                 )
             os.replace(part, target)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.target) from None
         finally:
             part.unlink(missing_ok=True)

@@ -42,6 +42,7 @@ from typing import Any, Iterable
 from pydantic import BaseModel, Field, ValidationError
 
 from fxport.jobs import ArtifactRecord
+from fxport.periodic import PeriodicTask
 from fxport.spec import JobSpec
 from fxport.storage import SHA256_RE, ArtifactStore, ObjectNotFound, StorageError
 
@@ -345,28 +346,18 @@ class ResultCache:
         return result
 
 
-class CacheSweeper:
-    """`cache.sweep()` every `interval_s` in a daemon thread of the API server."""
+class CacheSweeper(PeriodicTask):
+    """`cache.sweep()` every `interval_s` in a daemon thread of the API server (a store outage:
+    the next round)."""
+
+    name = "cache-sweeper"
 
     def __init__(self, cache: ResultCache, interval_s: float) -> None:
-        self.cache, self.interval_s = cache, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cache-sweeper", daemon=True)
+        super().__init__(interval_s)
+        self.cache = cache
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.cache.sweep()
-            except Exception as exc:  # a store outage: next round
-                log.warning("cache sweep failed: %s", exc)
+    def tick(self) -> None:
+        self.cache.sweep()
 
 
 def remember_job_result(store: ArtifactStore, settings: Any, record: Any,

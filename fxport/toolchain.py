@@ -26,6 +26,7 @@ import subprocess
 import threading
 import time
 from typing import Any
+from fxport.periodic import PeriodicTask
 
 log = logging.getLogger(__name__)
 
@@ -104,40 +105,27 @@ def publish(redis_client: Any, queue: str, toolchain: Toolchain, worker: str) ->
                      json.dumps({"toolchain": toolchain, "worker": worker, "at": time.time()}))
 
 
-class ToolchainPublisher:
+class ToolchainPublisher(PeriodicTask):
     """A worker's main process: publish this machine's fingerprint for each queue it consumes,
     now and every REPUBLISH_S (a Redis without persistence forgets it on restart)."""
+
+    name = "toolchain-publisher"
+    tick_at_start = True
 
     def __init__(self, redis_url: str, queues: list[str], worker: str, *, interval_s: float = REPUBLISH_S) -> None:
         import redis
 
+        super().__init__(interval_s)
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
-        self.queues, self.worker, self.interval_s = queues, worker, interval_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.queues, self.worker = queues, worker
 
-    def publish_now(self) -> None:
+    def tick(self) -> None:
         for queue in self.queues:
             publish(self._redis, queue, local_toolchain(gpu=queue == "gpu"), self.worker)
 
-    def _run(self) -> None:
-        while True:
-            try:
-                self.publish_now()
-            except Exception as exc:  # Redis away for a moment: the next round publishes again
-                log.warning("could not publish the toolchain fingerprint: %s", exc)
-            if self._stop.wait(self.interval_s):
-                return
+    publish_now = tick
 
-    def start(self) -> "ToolchainPublisher":
-        self._thread = threading.Thread(target=self._run, name="fxport-toolchain", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+    def on_stop(self) -> None:
         self._redis.close()
 
 

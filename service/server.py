@@ -10,7 +10,6 @@ and artifacts go wherever `store` says (S3).
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -20,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fxport.config import Settings
 from fxport.jobs import SweepResult, open_job_store, sweep_orphans
+from fxport.periodic import PeriodicTask
 from fxport.storage import open_store
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
@@ -79,28 +79,21 @@ class FxportServer:
         return self.grpc_server.wait_for_termination(timeout)
 
 
-class OrphanSweeper:
+class OrphanSweeper(PeriodicTask):
     """Every `orphan_sweep_interval_s`, `sweep_orphans` (fxport/jobs.py) in a daemon thread:
     RUNNING jobs whose worker died and that no redelivery picked up are requeued, or failed
     after their last attempt. Orphaned means silent for twice the redelivery bound."""
+
+    name = "orphan-sweeper"
 
     def __init__(self, jobs: Any, requeue: Callable[[str], Any], settings: Settings) -> None:
         import os
         import socket
 
+        super().__init__(settings.orphan_sweep_interval_s)
         self.jobs, self.requeue, self.settings = jobs, requeue, settings
         self.orphan_after_s = 2 * settings.redelivery_bound_s
         self.owner = f"sweeper:{socket.gethostname()}:{os.getpid()}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="orphan-sweeper", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
 
     def sweep(self) -> SweepResult:
         result = sweep_orphans(self.jobs, self.requeue, orphan_after_s=self.orphan_after_s, owner=self.owner)
@@ -110,12 +103,8 @@ class OrphanSweeper:
             log.warning("failed orphaned job: its worker is gone and it used its attempts", extra={"job_id": job_id})
         return result
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.settings.orphan_sweep_interval_s):
-            try:
-                self.sweep()
-            except Exception as exc:  # a store outage: try again next round
-                log.warning("orphan sweep failed: %s", exc)
+    def tick(self) -> None:
+        self.sweep()
 
 
 def _add_cache_and_metrics(settings: Settings, servicer: ConversionServicer, on_start: list[Callable[[], Any]],

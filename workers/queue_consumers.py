@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from fxport.periodic import PeriodicTask
+
 log = logging.getLogger(__name__)
 
 KEY = "fxport:queue-consumers:{queue}"
@@ -42,15 +44,16 @@ def _client(url: str) -> Any:
     return client
 
 
-class ConsumerHeartbeat:
+class ConsumerHeartbeat(PeriodicTask):
     """Keeps `worker` listed as a consumer of each queue `queues()` returns, from a daemon thread."""
+
+    name = "queue-heartbeat"
+    tick_at_start = True
 
     def __init__(self, redis_url: str, worker: str, queues: Callable[[], list[str]], *, interval_s: float = BEAT_S,
                  ttl_s: float = TTL_S) -> None:
-        self.url, self.worker, self.queues = redis_url, worker, queues
-        self.interval_s, self.ttl_s = interval_s, ttl_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__(interval_s)
+        self.url, self.worker, self.queues, self.ttl_s = redis_url, worker, queues, ttl_s
         self._listed: set[str] = set()
 
     def beat(self) -> None:
@@ -65,24 +68,9 @@ class ConsumerHeartbeat:
         pipe.execute()
         self._listed = current
 
-    def _run(self) -> None:
-        while True:
-            try:
-                self.beat()
-            except Exception as exc:  # Redis away for a moment: the entry expires, the next beat restores it
-                log.warning("queue heartbeat failed: %s", exc)
-            if self._stop.wait(self.interval_s):
-                return
+    tick = beat  # Redis away for a moment: the entry expires, the next beat restores it
 
-    def start(self) -> "ConsumerHeartbeat":
-        self._thread = threading.Thread(target=self._run, name="fxport-queue-heartbeat", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+    def on_stop(self) -> None:
         try:
             pipe = _client(self.url).pipeline()
             for queue in self._listed:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -30,8 +31,8 @@ class SecureStack:
     def address(self) -> str:
         return self.api.address
 
-    def client(self, tenant: str | None = None, token: str | None = None) -> Client:
-        return Client(self.address, token=token if token is not None else self.tokens.get(tenant or ""))
+    def client(self, tenant: str | None = None, token: str | None = None, **kw: Any) -> Client:
+        return Client(self.address, token=token if token is not None else self.tokens.get(tenant or ""), **kw)
 
     def metadata(self, tenant: str) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.tokens[tenant]}"),)

@@ -63,8 +63,14 @@ def test_a_changed_stored_artifact_is_refused(secure_stack, normal_job, tmp_path
     body, metadata = original["Body"].read(), original.get("Metadata", {})
     s3.put_object(Bucket=bucket, Key=key, Body=body[:-1] + bytes([body[-1] ^ 1]), Metadata=metadata)
     try:
+        # Straight from the store (presigned URL): the client's own check refuses the bytes.
         with pytest.raises(FxportError) as info:
             job.download(tmp_path / "out", names=["model.ts"])
+        assert "model.ts: downloaded" in str(info.value) and rec["sha256"] in str(info.value)
+        # Relayed by the API: the server's check refuses them before the client sees a byte.
+        with secure_stack.client("alice", direct_download=False) as relayed:
+            with pytest.raises(FxportError) as info:
+                relayed.get(job.id).download(tmp_path / "out", names=["model.ts"])
         assert "does not match its sha256" in str(info.value)
         assert not (tmp_path / "out" / "model.ts").exists()
         assert not list((tmp_path / "out").glob("*.part"))

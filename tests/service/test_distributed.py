@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from fxport.client import Client, JobNotFound, RequestRefused
+from fxport.client import Client, IntegrityError, JobNotFound, RequestRefused
 from fxport.storage import job_prefix
 
 pytestmark = pytest.mark.slow
@@ -146,3 +146,45 @@ def test_missing_job_is_not_found(client):
         client.get(new_job_id())
     with pytest.raises(JobNotFound):
         client.cancel(new_job_id())
+
+
+def test_artifacts_download_from_the_store_directly_or_through_the_server(distributed_stack, tiny_pt2, tmp_path,
+                                                                           monkeypatch):
+    """Presigned URLs take the bytes past the API; where the store can't be reached from the
+    client, the server relays them. Either way every byte is checked against the job record."""
+    with Client(distributed_stack.address) as c:
+        job = c.submit(tiny_pt2, {"targets": ["onnx"], "labels": {"suite": "direct"}})
+        job.wait(timeout=180)
+        assert job.state == "SUCCEEDED", job.error
+    records = {a["name"]: a for a in job.artifacts}
+
+    def check(folder):
+        for name, a in records.items():
+            assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == a["sha256"]
+
+    for direct in (True, False):
+        with Client(distributed_stack.address, direct_download=direct) as c:
+            c.get(job.id).download(tmp_path / f"direct-{direct}")
+        check(tmp_path / f"direct-{direct}")
+
+    # The store is not reachable from the client (a cluster-internal endpoint): relayed instead.
+    with Client(distributed_stack.address) as c:
+        monkeypatch.setattr(c, "artifact_url", lambda *a, **kw: "http://127.0.0.1:1/unreachable")
+        c.get(job.id).download(tmp_path / "relayed")
+        assert c._direct_works is False
+    check(tmp_path / "relayed")
+
+    # Bytes changed in the store behind the service's back: refused, nothing left in place.
+    onnx = records["model.onnx"]
+    s3, store = distributed_stack.s3, distributed_stack.artifact_store()
+    original = b"".join(store.iter_chunks(onnx["key"]))
+    s3.client().put_object(Bucket=s3.bucket, Key=store.prefix + onnx["key"], Body=original[:-1] + b"\0",
+                           Metadata={"sha256": onnx["sha256"]})
+    try:
+        with Client(distributed_stack.address, direct_download=True) as c:
+            with pytest.raises(IntegrityError, match="model.onnx"):
+                c.get(job.id).download(tmp_path / "tampered", names=["model.onnx"])
+        assert not list((tmp_path / "tampered").iterdir())
+    finally:
+        s3.client().put_object(Bucket=s3.bucket, Key=store.prefix + onnx["key"], Body=original,
+                               Metadata={"sha256": onnx["sha256"]})
