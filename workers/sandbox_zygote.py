@@ -7,6 +7,7 @@ never runs a torch op itself, so its children inherit no credentials and no busy
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -142,6 +143,11 @@ def main() -> None:
         warm_up()
     except Exception:  # a failed warm-up only costs speed
         traceback.print_exc()
+    # Everything imported and warmed up so far goes to the collector's permanent generation: a
+    # child's collections then never walk (and so never write to, copying page after page) the
+    # zygote's objects. Measured on a tiny job: see bench/bench_sandbox.py.
+    gc.collect()
+    gc.freeze()
     # Threads the imports start (torch's and onnxruntime's own) stay idle; a fork copies only this one.
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     _say({"ready": True, "threads": threads})

@@ -80,7 +80,7 @@ def capture_ladder(loaded: Any, sig: InputSignature, mode: str = "auto") -> Capt
     if loaded.format == "torch_export":
         # The archive already is an export graph: that rung ran on the user's machine.
         return Captured(
-            graph_module=fx_from_exported(loaded.exported_program), level="aten", method="export",
+            graph_module=fx_from_exported(loaded.exported_program, loaded.module), level="aten", method="export",
             attempts=[{"method": "export", "ok": True, "note": "input is a torch.export archive; graph used as exported"}],
         )
     module = loaded.module
@@ -159,13 +159,16 @@ def _export(module: Any, args: tuple[Any, ...], sig: InputSignature, *, strict: 
     return fx_from_exported(ep)
 
 
-def fx_from_exported(ep: Any) -> GraphModule:
+def fx_from_exported(ep: Any, unlifted: Any = None) -> GraphModule:
     """FX on `ep.module()`: a plain aten-level GraphModule.
 
     `ep.module()` itself carries pytree specs and a local guard function that can't be
     pickled (to_folder fails); re-tracing it inlines the guards as torch._assert nodes.
+    `unlifted`: an `ep.module()` the caller already has (the loader's), reused instead of
+    unlifting again: tracing does not change it, and the passes never write into its tensors
+    (passes/graph_attrs.py).
     """
-    module = ep.module()
+    module = unlifted if unlifted is not None else ep.module()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
