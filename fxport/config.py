@@ -77,6 +77,10 @@ class Settings(BaseSettings):
         540.0, ge=0, description="Celery worker_soft_shutdown_timeout: on SIGTERM (remapped to SIGQUIT) the running "
         "job gets this long to finish before it is cut and requeued; keep it under the pod's grace period.")
 
+    early_upload: bool = Field(
+        True, description="Workers upload each artifact while the engine goes on exporting and verifying, instead "
+        "of after the job; the overlap costs a snapshot copy of each artifact and CPU next to the engine.")
+
     # Result cache (DESIGN.md §8, fxport/cache.py, deploy/README.md "Result cache").
     cache_enabled: bool = Field(
         True, description="Answer a submit whose model, calibration data, spec and worker toolchain match an "

@@ -309,7 +309,7 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         current["stage"] = stage
         if cancel.event.is_set():
             return
-        if stage in ("export", "verify") and early:  # artifacts written so far go up while the engine works on
+        if stage in ("export", "verify") and early and ctx.settings.early_upload:  # go up while the engine works on
             early[0].offer()
         # A new stage is recorded at once; progress within a stage at most every PROGRESS_EVERY_S
         # (each record update is a read-modify-write of the whole record in the job store).

@@ -83,10 +83,27 @@ def hide_parent_environment() -> None:
         pass
 
 
+def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a
+    Kubernetes CPU limit) rounded up. os.cpu_count() would say the node's cores, and torch and
+    onnxruntime would start that many threads under a limit of two."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = (cgroup_root / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
 def _scrubbed_env(work: Path | None = None) -> dict[str, str]:
     env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", FXPORT_SANDBOX="1",
-               OMP_NUM_THREADS=os.environ.get("FXPORT_SANDBOX_THREADS", str(os.cpu_count() or 1)))
+               OMP_NUM_THREADS=os.environ.get("FXPORT_SANDBOX_THREADS") or str(available_cpus()))
     if work is not None:
         env.update(HOME=str(work), TMPDIR=str(work / "tmp"))
     return env

@@ -4,6 +4,7 @@ bounded memory and time — and the job fails naming the stage and the limit."""
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 import sys
 import textwrap
@@ -140,3 +141,31 @@ def test_warm_children_use_all_threads_and_do_not_hang(tmp_path: Path, monkeypat
     for i in range(2):
         manifest = run_engine_job(model, spec, tmp_path / f"out{i}", job_id=f"t-r{i}", timeout_s=120)
         assert manifest["verification"][0]["passed"]
+
+
+def test_thread_budget_follows_a_cgroup_cpu_limit(tmp_path: Path) -> None:
+    from fxport.workers.sandbox import available_cpus
+
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert available_cpus(tmp_path) == affinity
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # a Kubernetes limit of 1.5 CPUs
+    assert available_cpus(tmp_path) == min(affinity, 2)
+    (tmp_path / "cpu.max").write_text("10000 100000\n")
+    assert available_cpus(tmp_path) == 1
+    assert available_cpus(tmp_path / "no-cgroup") == affinity
+
+
+def test_onnxruntime_sessions_keep_to_the_torch_thread_budget() -> None:
+    import torch
+
+    from fxport.workers.engine.verify.runners import ort_session_options
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ort_session_options().intra_op_num_threads == 1
+        torch.set_num_threads(2)
+        assert ort_session_options().intra_op_num_threads == 2
+    finally:
+        torch.set_num_threads(before)

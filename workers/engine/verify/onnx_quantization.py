@@ -29,8 +29,9 @@ FLOAT_COMPUTE = ("Conv", "FusedConv", "MatMul", "Gemm", "FusedMatMul", "NhwcFuse
 def _session_options(level: str = "extended") -> Any:
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    from fxport.workers.engine.verify.runners import ort_session_options
+
+    opts = ort_session_options()
     opts.graph_optimization_level = {
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
         "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,

@@ -118,6 +118,20 @@ class FxSourceRunner(Runner):
             return flatten_outputs(self.module(*args))
 
 
+def ort_session_options() -> Any:
+    """onnxruntime options for the job's own thread budget: as many intra-op threads as torch
+    has (the sandbox sets both from FXPORT_SANDBOX_THREADS). onnxruntime's default is one per
+    core of the machine, which in a container with a CPU limit means throttling, and next to
+    the worker's other work means contention."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = max(1, torch.get_num_threads())
+    opts.inter_op_num_threads = 1
+    return opts
+
+
 class OnnxRuntimeRunner(Runner):
     name, runtime = "onnx", "onnxruntime"
 
@@ -127,9 +141,7 @@ class OnnxRuntimeRunner(Runner):
     def activate(self) -> None:
         import onnxruntime as ort
 
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        self.session = ort.InferenceSession(str(self.path), opts, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(self.path), ort_session_options(), providers=["CPUExecutionProvider"])
         self.feed_names = [i.name for i in self.session.get_inputs()]
 
     def deactivate(self) -> None:
