@@ -301,7 +301,7 @@ def main() -> None:
         hash_t = []
         for _ in range(5):
             t0 = time.perf_counter()
-            from fxport.client import _file_digest
+            from fxport.digest import sha256_file as _file_digest
 
             _file_digest(hit_model)
             hash_t.append(time.perf_counter() - t0)
@@ -345,6 +345,9 @@ def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[s
         return med([r["stages"].get(name, 0.0) for r in runs])
 
     in_eng = {s: med([e.get(s, 0.0) for e in engine_stages]) for s in ENGINE_STAGES}
+    serial = m("submit") + max(0.0, m("queued")) + stage("load") - in_eng["load"] + stage("upload") + m("notify") \
+        + m("download")
+    export_lo, export_hi = min(e.get("export", 0.0) for e in engine_stages), max(e.get("export", 0.0) for e in engine_stages)
     rows = [
         ("client: sha256, CheckUpload, SubmitJob streaming the model through the API into S3", m("submit"), 0.0),
         ("queued: API → Redis → a worker takes it", max(0.0, m("queued")), 0.0),
@@ -397,13 +400,18 @@ Why the ratio is {ratio:.2f}× and not 1.00×: the stack adds {extra:.2f} s to {
 {m("submit"):.2f} s is the submit: the {model_mib:.0f} MiB model crosses gRPC and goes into SeaweedFS S3,
 streamed on while it arrives ({model_mib / m("submit"):.0f} MiB/s end to end, the client's sha256
 included). {stage("load") - in_eng["load"]:.2f} s is the worker fetching it back from S3 and starting the
-sandbox; {m("download"):.2f} s the download of the two ~45 MiB artifacts through the API. Running the
-engine in its sandbox costs {sandbox_extra:.2f} s per job on its own (fork, limits, the result handed
-over as files, the parent re-hashing every artifact it did not write). In the stack the engine's
-stages ran {engine_slower:+.2f} s longer than in-process: the artifacts' upload, overlapped with
-export and verify instead of following them, competes for the second core, which also runs
-SeaweedFS, Redis and the API. Every byte the service moves costs CPU on the two cores the
-conversion needs; what overlap could hide here, it hides (`upload` is {stage("upload"):.3f} s).
+sandbox; {m("download"):.2f} s the download of the two ~45 MiB artifacts, straight from S3 through presigned
+URLs. Running the engine in its sandbox costs {sandbox_extra:.2f} s per job on its own (fork, limits, a
+child that starts from the zygote's state rather than from the previous job's warm caches, the parent
+re-hashing every artifact it did not write). In the stack the engine's stages ran {engine_slower:+.2f} s
+longer than in-process: the artifacts' upload, overlapped with export and verify, competes for the
+second core, which also runs SeaweedFS, Redis and the API (uploading after the job instead is slower
+still: see "Early artifact upload" below); and a single-threaded ResNet export varies from run to run
+(in-process, the export stage alone ranged {export_lo:.2f}–{export_hi:.2f} s over these runs). Every byte
+the service moves costs CPU on the two cores the conversion needs — SeaweedFS alone spends about 10 ms
+of CPU per MiB written (bench_early_upload.py), and a job writes the model and two artifacts, ~136 MiB —
+so on this machine the serial steps alone (submit, fetch, upload of the last files, download:
+{serial:.2f} s) put the ratio at {1 + serial / med(inproc):.2f}× before the engine loses any time to them.
 
 ### Cache-hit resubmission (same model and spec, result cached)
 

@@ -35,6 +35,7 @@ from fxport.client.errors import (
     AuthFailed, IntegrityError, JobNotFound, RequestRefused, ServerUnreachable, TooLarge, WaitTimeout,
     from_rpc_error,
 )
+from fxport.digest import sha256_file, write_checked
 from fxport.errors import FxportError, InvalidInput
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
@@ -81,15 +82,6 @@ def _ts(msg: Any, field_name: str) -> float | None:
     if not msg.HasField(field_name):
         return None
     return getattr(msg, field_name).ToNanoseconds() / 1e9
-
-
-def _file_digest(path: Path) -> tuple[str, int]:
-    h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
 
 
 def _spec_text(spec: Any) -> str:
@@ -411,8 +403,8 @@ class Client:
         if calib is not None and not calib.is_file():
             raise InvalidInput(f"calibration file {str(calib)!r} not found", field="calibration")
         text = _spec_text(spec)
-        model_sha, model_size = _file_digest(model)
-        calib_sha, calib_size = _file_digest(calib) if calib else ("", 0)
+        model_sha, model_size = sha256_file(model)
+        calib_sha, calib_size = sha256_file(calib) if calib else ("", 0)
         check = self._call(self._stub.CheckUpload,
                            pb.CheckUploadRequest(model_sha256=model_sha, calibration_sha256=calib_sha, spec=text,
                                                  no_cache=no_cache))
@@ -549,22 +541,13 @@ class Client:
                         header: dict[str, str] | None = None) -> None:
         """Write `chunks` to target.part, hashing as they come; rename into place only when size
         and sha256 match the job record (and the stream's own header, if it sent one)."""
-        target.parent.mkdir(parents=True, exist_ok=True)
-        part = target.with_name(target.name + ".part")
-        h, n = hashlib.sha256(), 0
-        try:
-            with open(part, "wb") as f:
-                for chunk in chunks:
-                    h.update(chunk)
-                    n += len(chunk)
-                    f.write(chunk)
-            digest = h.hexdigest()
+
+        def check(n: int, digest: str) -> None:
             expected = {art["sha256"], (header or {}).get("sha256") or art["sha256"]}
             if len(expected) != 1 or digest not in expected or n != art["bytes"]:
                 raise IntegrityError(
                     f"{art['name']}: downloaded {n} bytes with sha256 {digest}, expected {art['bytes']} bytes "
                     f"with sha256 {art['sha256']}"
                 )
-            os.replace(part, target)
-        finally:
-            part.unlink(missing_ok=True)
+
+        write_checked(chunks, target, check)

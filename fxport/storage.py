@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator, TypeVar
 
+from fxport.digest import CHUNK, sha256_file, write_checked  # noqa: F401 (sha256_file: re-exported)
 from fxport.errors import FxportError
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 20
 _T = TypeVar("_T")
 
 # ---------------------------------------------------------------------------------------
@@ -115,35 +115,18 @@ class StoredObject:
     version: str = field(default="", compare=False)
 
 
-def sha256_file(path: Path) -> tuple[str, int]:
-    h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
-
-
 def write_verified(key: str, chunks: Iterable[bytes], meta: StoredObject, dest: Path) -> StoredObject:
     """Write `chunks` to `dest` through a .part file, hashing as they come; `dest` appears only
     if size and sha256 match `meta`, else IntegrityError and nothing is left behind."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
-    h, n = hashlib.sha256(), 0
-    try:
-        with open(part, "wb") as f:
-            for chunk in chunks:
-                h.update(chunk)
-                n += len(chunk)
-                f.write(chunk)
-        if h.hexdigest() != meta.sha256 or n != meta.bytes:
+
+    def check(n: int, digest: str) -> None:
+        if digest != meta.sha256 or n != meta.bytes:
             raise IntegrityError(
-                f"object {key!r} is corrupt: read {n} bytes with sha256 {h.hexdigest()[:12]}…, "
+                f"object {key!r} is corrupt: read {n} bytes with sha256 {digest[:12]}…, "
                 f"recorded {meta.bytes} bytes with sha256 {meta.sha256[:12]}…"
             )
-        os.replace(part, dest)
-    finally:
-        part.unlink(missing_ok=True)
+
+    write_checked(chunks, dest, check)
     return meta
 
 

@@ -21,6 +21,7 @@ import ctypes
 import errno
 import os
 import platform
+import resource
 import struct
 from pathlib import Path
 from typing import Any, Iterable
@@ -215,9 +216,8 @@ DOT_CPU_S = 30
 
 def _confine_dot() -> None:
     """preexec_fn of `dot` (the forked child, one thread, before exec): rlimits, then `confine`
-    with nothing writable — no writes, no TCP, no new processes, no capabilities."""
-    import resource
-
+    with nothing writable — no writes, no TCP, no new processes, no capabilities. Imports nothing:
+    it runs between fork and exec of a process that may have other threads (the embedded server)."""
     resource.setrlimit(resource.RLIMIT_AS, (DOT_MEMORY_BYTES, DOT_MEMORY_BYTES))
     resource.setrlimit(resource.RLIMIT_CPU, (DOT_CPU_S, DOT_CPU_S))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
