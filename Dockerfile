@@ -27,6 +27,8 @@ ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu130
 # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 ARG FXPORT_UID=10001
+# Graphviz for the report's graph drawings: 2.42 in Debian 12 (CPU image) and Ubuntu 24.04 (TensorRT image).
+ARG GRAPHVIZ_VERSION=2.42.*
 
 
 # ---------------------------------------------------------------- builders (CPU base)
@@ -81,7 +83,16 @@ EXPOSE 50051 9100
 CMD ["serve", "--listen", "0.0.0.0:50051"]
 
 
-FROM runtime-cpu AS worker-cpu
+# Graphviz's `dot` lays out the FX graph drawings of every job's report.html (the worker draws
+# the report; the sandboxed engine may not start processes).
+FROM runtime-cpu AS runtime-worker-cpu
+ARG GRAPHVIZ_VERSION
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends "graphviz=${GRAPHVIZ_VERSION}" \
+ && rm -rf /var/lib/apt/lists/*
+
+
+FROM runtime-worker-cpu AS worker-cpu
 COPY --from=build-worker-cpu /opt/venv /opt/venv
 USER ${FXPORT_UID}:${FXPORT_UID}
 EXPOSE 9100
@@ -111,11 +122,17 @@ RUN python3 -m venv --without-pip --system-site-packages /opt/venv \
 
 # NVIDIA's image is a development image (it ships compilers we cannot strip without
 # breaking it); what we add is only the venv and an unprivileged user.
-FROM ${TENSORRT_IMAGE} AS worker-gpu
+FROM ${TENSORRT_IMAGE} AS runtime-worker-gpu
 ARG FXPORT_UID
+ARG GRAPHVIZ_VERSION
 RUN groupadd --system --gid "${FXPORT_UID}" fxport \
  && useradd --system --uid "${FXPORT_UID}" --gid fxport --no-create-home --home-dir /nonexistent \
-        --shell /usr/sbin/nologin fxport
+        --shell /usr/sbin/nologin fxport \
+ && apt-get update \
+ && apt-get install -y --no-install-recommends "graphviz=${GRAPHVIZ_VERSION}" \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM runtime-worker-gpu AS worker-gpu
 COPY --from=build-worker-gpu /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \

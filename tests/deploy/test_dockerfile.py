@@ -78,7 +78,8 @@ def test_base_images_pinned_and_torch_from_the_right_index():
     assert defaults["TORCH_VERSION"] == "2.13.0"
     assert defaults["TORCH_CPU_INDEX"] == "https://download.pytorch.org/whl/cpu"
     all_stages = stages()
-    assert all_stages["worker-gpu"][0].startswith("FROM ${TENSORRT_IMAGE}")
+    assert all_stages["worker-gpu"][0] == "FROM runtime-worker-gpu AS worker-gpu"
+    assert all_stages["runtime-worker-gpu"][0].startswith("FROM ${TENSORRT_IMAGE}")
     assert "TORCH_CPU_INDEX" in " ".join(all_stages["build-worker-cpu"])
     assert "TORCH_CUDA_INDEX" in " ".join(all_stages["build-worker-gpu"])
     assert not any("torch" in i for i in all_stages["build-api"]), "the API image has no torch"
@@ -114,3 +115,16 @@ def test_build_context_has_every_package_folder():
             if i.startswith("COPY ") and "--from=" not in i:
                 copied |= {src.rstrip("/").removeprefix("./") for src in i.split()[1:-1]}
     assert folders <= copied, folders - copied
+
+
+@pytest.mark.parametrize("target", ("worker-cpu", "worker-gpu"))
+def test_worker_images_have_graphviz_for_the_report(target):
+    """Workers draw report.html, whose FX graph diagrams need Graphviz's `dot`: a worker image
+    without it would publish every report with 'dot is not installed' in place of the graphs."""
+    all_stages = stages()
+    chain, name = [], target
+    while name in all_stages:
+        chain.append(name)
+        name = all_stages[name][0].split()[1]  # FROM <parent> AS <name>
+    runs = " ".join(i for stage in chain for i in all_stages[stage] if i.startswith("RUN"))
+    assert re.search(r"apt-get install -y --no-install-recommends \"graphviz=\$\{GRAPHVIZ_VERSION\}\"", runs), chain
