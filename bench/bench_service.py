@@ -188,8 +188,11 @@ Batch 1..8; {args.threads} torch thread(s) in every path. Median of {args.repeat
 **Overhead ratio (full stack / in-process): {med(full) / med(inproc):.2f}×.** Of the
 {med(full) - med(inproc):.2f} s difference, the sandbox (a child process with limits and a scrubbed
 environment) accounts for {med(sandboxed) - med(inproc):.2f} s and the service path for
-{med(full) - med(sandboxed):.2f} s (client hash + upload, queueing, fetching the input from S3,
-uploading the artifacts, progress events, download with sha256 checks).
+{med(full) - med(sandboxed):.2f} s (client hash and pre-upload check, queueing, fetching the input from
+S3, uploading the artifacts, progress events, download with sha256 checks). Every run here submits the
+same model, with the result cache off: after the warm-up the model is already stored for the tenant,
+so a submit sends its digest, not its 46 MiB — the case of a model resubmitted with a new spec. The
+"Speed" section below (bench_cache.py) uploads a model with new weights every run instead.
 
 Upload of a {mib / 1024:.2f} GiB model (random bytes) through `Client.submit` to the distributed API
 (spooled to disk, then stored in SeaweedFS S3):
