@@ -349,6 +349,11 @@ class S3Store(ArtifactStore):
             connect_timeout=5,
             read_timeout=60,
             s3={"addressing_style": "path"},
+            # CRC32 on every request and response is botocore's default since 1.36; the sha256 of
+            # every object is ours to check already, and S3-compatible stores vary in what they
+            # accept. Checksums only where the API requires them.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
         )
         session = boto3.session.Session()
         self._s3 = session.client("s3", endpoint_url=endpoint_url, config=cfg)
