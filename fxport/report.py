@@ -23,8 +23,10 @@ from __future__ import annotations
 import hashlib
 import html
 import json
+import os
 import re
 import subprocess
+import tempfile
 import threading
 from collections import OrderedDict
 from functools import partial
@@ -157,7 +159,18 @@ def write_report(manifest_path: Path, out_path: Path | None = None, *, layout: D
         raise ValueError(f"{manifest_path} is not a manifest: its top level is {kind}, not an object")
     out = Path(out_path) if out_path else Path(manifest_path).with_name("report.html")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_report(manifest, layout=layout), encoding="utf-8")
+    text = render_report(manifest, layout=layout)
+    # A fresh file renamed into place: whatever stood at `out` (a symlink a sandboxed model left
+    # in its output folder, say) is replaced, never written through.
+    fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return out
 
 

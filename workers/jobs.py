@@ -508,7 +508,7 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
 def _merge_failed_manifest(cpu_manifest: dict[str, Any] | None, path: Path) -> None:
     """A failed tensorrt stage publishes the CPU stage's manifest plus the stage's findings and error,
     not the stage's manifest alone (which would hide everything the CPU stage recorded)."""
-    if cpu_manifest is None or not path.is_file():
+    if cpu_manifest is None or path.is_symlink() or not path.is_file():  # the sandbox wrote out_dir: no links
         return
     try:
         failed = json.loads(path.read_text())

@@ -55,3 +55,26 @@ def test_a_graph_is_laid_out_once_per_architecture(dot_binary: str):
     second = report.render_report({**manifest, "job_id": "b"}, layout=counting)
     assert len(calls) == 1  # before == after, and the second job's graph is the first's
     assert ReportIndex(first).svg_in.get("graph") == ReportIndex(second).svg_in.get("graph") == 2
+
+
+def test_links_the_sandbox_left_in_its_output_folder_are_not_followed(tmp_path: Path):
+    """A failed child's folder is drawn from too: a report.html symlink it planted is replaced,
+    not written through, and a manifest.json symlink is not read."""
+    import json
+
+    from fxport.workers.sandbox import draw_report
+
+    out, victim = tmp_path / "out", tmp_path / "credentials"
+    out.mkdir()
+    victim.write_text("keep me")
+    (out / "manifest.json").write_text(json.dumps({"job_id": "hostile", "status": "failed"}))
+    (out / "report.html").symlink_to(victim)
+    draw_report(out)
+    assert victim.read_text() == "keep me"
+    assert not (out / "report.html").is_symlink() and "hostile" in (out / "report.html").read_text()
+
+    (out / "report.html").unlink()
+    (out / "manifest.json").unlink()
+    (out / "manifest.json").symlink_to(victim)
+    draw_report(out)
+    assert not (out / "report.html").exists() and victim.read_text() == "keep me"
