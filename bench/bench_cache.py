@@ -76,28 +76,13 @@ def pct(values: list[float], q: float) -> float:
 
 # -- CPU accounting ---------------------------------------------------------------------
 
-def _tree(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [pid], [pid]
-    while todo:
-        for c in children.get(todo.pop(), ()):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def cpu_s(pid: int) -> float:
     """CPU seconds of a process tree: each live process's own time plus its reaped children's."""
+    from tests.fixtures.servers import descendants
+
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
-    for p in _tree(pid):
+    for p in [pid, *descendants(pid)]:
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
