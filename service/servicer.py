@@ -159,6 +159,18 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                                                           "rehashed_bytes": found.rehashed_bytes})
         return job_to_proto(rec)
 
+    def _spec_or_abort(self, text: str, context: grpc.ServicerContext) -> JobSpec:
+        """The request's spec text, size-checked and validated; otherwise the call ends with
+        RESOURCE_EXHAUSTED (too big) or INVALID_ARGUMENT naming the field."""
+        size = len(text.encode())
+        if size > self.settings.max_spec_bytes:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"spec is {size} bytes; the limit is {self.settings.max_spec_bytes}")
+        try:
+            return parse_spec(load_spec_text(text, source="spec"))
+        except SpecError as err:
+            abort_invalid_spec(context, err)
+
     def _model_mirror(self, tenant: str, header: pb.FileHeader) -> Any:
         """A large model with a declared digest that the store lacks goes on to the store while
         it arrives (S3 multipart), instead of after: None where that does not apply."""
@@ -192,13 +204,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first SubmitJobRequest must carry the header")
         header = first.header
         # 1. The spec, before anything is stored.
-        if len(header.spec.encode()) > self.settings.max_spec_bytes:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"spec is {len(header.spec.encode())} bytes; the limit is {self.settings.max_spec_bytes}")
-        try:
-            spec = parse_spec(load_spec_text(header.spec, source="spec"))
-        except SpecError as err:
-            abort_invalid_spec(context, err)
+        spec = self._spec_or_abort(header.spec, context)
         if not header.HasField("model"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "header.model is required")
         if len(header.idempotency_key) > MAX_IDEMPOTENCY_KEY:
@@ -293,13 +299,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected 64 lowercase hex digits")
             setattr(out, present, self.artifacts.exists(input_key(tenant, sha)))
         if request.model_sha256 and not request.no_cache:
-            if len(request.spec.encode()) > self.settings.max_spec_bytes:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"spec is {len(request.spec.encode())} bytes; the limit is {self.settings.max_spec_bytes}")
-            try:
-                spec = parse_spec(load_spec_text(request.spec, source="spec"))
-            except SpecError as err:
-                abort_invalid_spec(context, err)
+            spec = self._spec_or_abort(request.spec, context)
             # The cheap half of the proof (sizes and recorded digests): SubmitJob does the rest.
             out.cache_hit = self._cache_lookup(tenant, request.model_sha256, request.calibration_sha256 or None, spec,
                                                prove=False).hit
