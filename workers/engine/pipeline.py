@@ -275,6 +275,12 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
                         message += "\nper-layer error (worst first, held-out data):\n" + layer_table(manifest["quantization"])
                         hint = ("set quantization.target_cosine to keep the most damaged layers in fp32, give "
                                 "representative calibration data, or try another calibration observer")
+                        from fxport.workers.engine.quantize.observers import exact_int8_dot_products
+
+                        if not exact_int8_dot_products():
+                            hint += ("; note that this worker's CPU has no VNNI: its int8 kernels (onnxruntime, "
+                                     "fbgemm) sum u8×s8 pairs into saturating int16, so int8 artifacts lose accuracy "
+                                     "here that they keep on VNNI CPUs and on GPUs — verify int8 on a worker with VNNI")
                 raise VerificationFailed(message, stage="verify", hint=hint, detail=detail)
             manifest["warnings"].append(f"verification mismatches allowed by spec.verify.fail_on_mismatch=false: {table}")
 

@@ -14,6 +14,7 @@ from fxport.workers.engine.quantize.fp16 import to_half
 from fxport.workers.engine.quantize.lowering import lower_to_quantized_kernels
 from fxport.workers.engine.quantize.ptq import quantize_int8
 from tests.models import get
+from tests.workers.engine.quantize.hardware import needs_exact_int8
 
 
 def _aten(name: str) -> tuple[torch.fx.GraphModule, torch.nn.Module, tuple]:
@@ -48,6 +49,7 @@ def test_half_transformer_keeps_layer_norm_and_softmax_fp32(level: str) -> None:
     assert "float16" in half.graph_module.code
 
 
+@needs_exact_int8
 def test_lowered_resnet_runs_int8_kernels_like_its_qdq_graph() -> None:
     gm, model, args = _aten("resnet18_small")
     case = get("resnet18_small")
@@ -66,6 +68,7 @@ def test_lowered_resnet_runs_int8_kernels_like_its_qdq_graph() -> None:
     assert _cos(low, qdq) > 0.99 and abs(_cos(low, ref) - _cos(qdq, ref)) < 0.01
 
 
+@needs_exact_int8
 def test_lowered_linear_layers_match_exactly() -> None:
     gm, _, _ = _aten("transformer_block")
     case = get("transformer_block")

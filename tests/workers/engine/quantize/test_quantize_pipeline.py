@@ -17,6 +17,8 @@ from fxport.errors import InvalidInput, VerificationFailed
 from fxport.spec import parse_spec
 from fxport.workers.engine.pipeline import convert
 from tests.models import get
+from fxport.workers.engine.quantize.observers import exact_int8_dot_products
+from tests.workers.engine.quantize.hardware import needs_exact_int8
 from tests.workers.engine.conftest import save_package, save_pt2
 
 SENSITIVE = "layer1.0.conv2"
@@ -77,6 +79,7 @@ def _check_int8_manifest(m: dict[str, Any], out: Path, layers: int) -> None:
     assert json.loads((out / "manifest.json").read_text())["quantization"]["worst"] == q["worst"]
 
 
+@needs_exact_int8
 def test_resnet_int8_every_artifact(tmp_path: Path) -> None:
     model = save_pt2(get("resnet18_small"), tmp_path / "m.pt2")
     m = convert(model, _spec("resnet18_small", "int8", ("onnx", "torchscript", "exported_program", "fx_source")),
@@ -135,6 +138,7 @@ def test_fp16_onnx_and_torchscript_half(name: str, fmt: str, tmp_path: Path) -> 
     assert "torch.float16" in dtypes
 
 
+@needs_exact_int8
 def test_sensitive_layer_is_named_and_kept_float(tmp_path: Path) -> None:
     model = _sensitive_resnet(tmp_path / "m.pt2")
     m = convert(model, _spec("resnet18_small", "int8", ("onnx",), quantization={"target_cosine": 0.98}),
@@ -192,3 +196,24 @@ def test_calibration_file_with_a_wrong_name_fails_in_quantize(tmp_path: Path) ->
         convert(model, _spec("transformer_block", "int8", ("onnx",)), tmp_path / "out", calibration_path=calib)
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert m["error"]["stage"] == "quantize" and not m["artifacts"]
+
+
+@pytest.mark.parametrize(("flags", "machine", "exact"), [
+    ("fpu sse4_2 avx2 fma", "x86_64", False),  # AVX2 only: vpmaddubsw saturates
+    ("avx2 avx512f avx512bw", "x86_64", False),  # AVX-512 without VNNI saturates too
+    ("avx2 avx512f avx512_vnni", "x86_64", True),
+    ("avx2 avx_vnni", "x86_64", True),
+    ("fp asimd", "aarch64", True),
+])
+def test_which_cpus_sum_int8_products_exactly(flags, machine, exact) -> None:
+    assert exact_int8_dot_products(f"processor\t: 0\nflags\t\t: {flags}\n", machine) is exact
+
+
+@pytest.mark.skipif(exact_int8_dot_products(), reason="needs a CPU whose int8 kernels saturate (x86 without VNNI)")
+def test_int8_on_a_saturating_cpu_fails_verification_and_says_why(tmp_path: Path) -> None:
+    """Where the int8 kernels cannot compute what the quantized graph says, the artifacts are
+    refused, and the error names the CPU as the cause rather than only the quantization."""
+    model = save_pt2(get("resnet18_small"), tmp_path / "m.pt2")
+    with pytest.raises(VerificationFailed) as err:
+        convert(model, _spec("resnet18_small", "int8", ("onnx", "torchscript")), tmp_path / "out")
+    assert "miss their target" in str(err.value) and "no VNNI" in err.value.hint
