@@ -114,15 +114,22 @@ def engine_sandboxed(model: Path, out: Path, job_id: str) -> float:
 
 
 def full_stack(client: Any, model: Path, out: Path) -> dict[str, Any]:
+    """`fxport submit -o`'s path: submit, wait with download_to (artifacts stored during the
+    run come down meanwhile), the rest downloaded at SUCCEEDED, every file sha256-checked."""
+    ended: dict[str, float] = {}
+
+    def on_event(ev: Any) -> None:
+        if ev.terminal:
+            ended.update(t=time.perf_counter(), w=time.time())
+
     t0 = time.perf_counter()
     job = client.submit(model, SPEC)
     t1 = time.perf_counter()
-    job.wait(timeout=900)
-    t2 = time.perf_counter()
-    w2 = time.time()
-    assert job.succeeded and not job.message.cache_hit, job.error
-    job.download(out)
+    job.wait(timeout=900, on_event=on_event, download_to=out)
     t3 = time.perf_counter()
+    t2, w2 = ended["t"], ended["w"]
+    assert job.succeeded and not job.message.cache_hit, job.error
+    assert job.downloaded and len(job.downloaded) == len(job.artifacts)
     d = job.to_dict()
     stages = {s["stage"]: (s["finished_at"] or 0) - (s["started_at"] or 0) for s in d["stage_timings"]}
     engine = json.loads((out / "manifest.json").read_text())["timings_s"]

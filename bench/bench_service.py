@@ -86,9 +86,8 @@ def time_full_stack(model: Path, work: Path, address: str, repeats: int) -> list
     with Client(address) as client:
         for i in range(repeats + 1):  # the first job warms the worker (imports, S3 connections)
             t0 = time.perf_counter()
-            job = client.submit(model, SPEC).wait(timeout=900)
-            assert job.succeeded, job.error
-            job.download(work / f"stack-{i}")
+            job = client.submit(model, SPEC).wait(timeout=900, download_to=work / f"stack-{i}")  # as `submit -o`
+            assert job.succeeded and job.downloaded, job.error
             dt = time.perf_counter() - t0
             if i:
                 times.append(dt)

@@ -5,6 +5,7 @@
         job = c.submit("model.pt2", {"targets": ["onnx"]})
         job.wait(timeout=600, on_event=print)
         job.download("artifacts/")          # every file's sha256 checked
+        # or: job.wait(timeout=600, download_to="artifacts/") fetches them while the job runs
 
 Uploads stream in 1 MiB chunks; a model the server already holds (same sha256) is not sent
 again. `Job.wait` follows WatchJob and, when the connection drops, resumes from the last
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
+import threading
 import random
 import time
 import uuid
@@ -44,6 +48,8 @@ __all__ = [
     "Client", "Job", "JobEvent", "JobPage", "FxportError", "ServerUnreachable", "AuthFailed", "JobNotFound",
     "TooLarge", "RequestRefused", "WaitTimeout", "IntegrityError", "DEFAULT_SERVER",
 ]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 CHUNK = 1 << 20
@@ -98,6 +104,10 @@ def _spec_text(spec: Any) -> str:
     raise TypeError(f"spec must be a mapping, a JobSpec, YAML/JSON text or a Path, not {type(spec).__name__}")
 
 
+def _artifact_dict(a: pb.Artifact) -> dict[str, Any]:
+    return {"name": a.name, "format": a.format, "key": a.key, "bytes": a.bytes, "sha256": a.sha256}
+
+
 def _safe_relative(name: str) -> PurePosixPath:
     """An artifact name from the server, as a path that cannot leave the destination folder."""
     p = PurePosixPath(name)
@@ -115,6 +125,9 @@ class JobEvent:
     progress: float
     message: str
     time: float | None
+    # An artifact the worker stored while the job still runs (not verified yet): Job.wait's
+    # download_to fetches it at once and keeps it if the finished job lists the same sha256.
+    staged: dict[str, Any] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -123,11 +136,12 @@ class JobEvent:
     @classmethod
     def from_pb(cls, ev: pb.JobEvent) -> "JobEvent":
         return cls(seq=ev.seq, job_id=ev.job_id, state=_state_name(ev.state), stage=ev.stage,
-                   progress=ev.progress, message=ev.message, time=_ts(ev, "time"))
+                   progress=ev.progress, message=ev.message, time=_ts(ev, "time"),
+                   staged=_artifact_dict(ev.staged) if ev.HasField("staged") else None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"seq": self.seq, "job_id": self.job_id, "state": self.state, "stage": self.stage,
-                "progress": self.progress, "message": self.message, "time": self.time}
+                "progress": self.progress, "message": self.message, "time": self.time, "staged": self.staged}
 
 
 class Job:
@@ -138,6 +152,8 @@ class Job:
         self._msg = message
         # Set by Client.submit: {"sent_bytes": N, "skipped": "cache_hit" | "model_stored" | None}.
         self.upload: dict[str, Any] | None = None
+        # Set by wait(download_to=...) when the job succeeded: the paths written there.
+        self.downloaded: list[Path] | None = None
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, state={self.state!r}, stage={self.stage!r})"
@@ -176,8 +192,12 @@ class Job:
 
     @property
     def artifacts(self) -> list[dict[str, Any]]:
-        return [{"name": a.name, "format": a.format, "key": a.key, "bytes": a.bytes, "sha256": a.sha256}
-                for a in self._msg.artifacts]
+        return [_artifact_dict(a) for a in self._msg.artifacts]
+
+    @property
+    def staged_artifacts(self) -> list[dict[str, Any]]:
+        """Artifacts already stored while the job runs, before verification ended (empty once it ends)."""
+        return [_artifact_dict(a) for a in self._msg.staged_artifacts]
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -253,17 +273,40 @@ class Job:
             time.sleep(pause)
             backoff = min(backoff * 2, 5.0)
 
-    def wait(self, timeout: float | None = None, on_event: Callable[[JobEvent], Any] | None = None) -> "Job":
-        """Block until the job is SUCCEEDED, FAILED or CANCELLED; WaitTimeout after `timeout` s."""
-        for event in self.events(timeout=timeout):
-            if on_event is not None:
-                on_event(event)
+    def wait(self, timeout: float | None = None, on_event: Callable[[JobEvent], Any] | None = None,
+             download_to: str | os.PathLike[str] | None = None) -> "Job":
+        """Block until the job is SUCCEEDED, FAILED or CANCELLED; WaitTimeout after `timeout` s.
+
+        `download_to`: then fetch every artifact into that folder, as `download` does, and set
+        `downloaded` to the paths. Artifacts the worker stores while the job still runs (it
+        uploads each as soon as export wrote it) come down meanwhile, into a hidden folder
+        there, so at SUCCEEDED only the rest is left to fetch; an early copy is kept only if
+        its sha256 is the one the finished job lists. A job that does not succeed leaves
+        nothing in the folder."""
+        if download_to is None:
+            for event in self.events(timeout=timeout):
+                if on_event is not None:
+                    on_event(event)
+            return self
+        dest = Path(download_to)
+        with _EarlyDownloads(self, dest) as early:
+            for event in self.events(timeout=timeout):
+                if event.staged is not None:
+                    early.fetch(event.staged)
+                if on_event is not None:
+                    on_event(event)
+            if self.succeeded:
+                self.downloaded = self._download(dest, None, early.finish())
         return self
 
     def download(self, dest: str | os.PathLike[str], names: list[str] | None = None) -> list[Path]:
         """Fetch artifacts into `dest` (their names are relative paths), checking each sha256
         against both the stream header and the job record. Returns the written paths."""
-        dest_dir = Path(dest)
+        return self._download(Path(dest), names, {})
+
+    def _download(self, dest_dir: Path, names: list[str] | None, early: dict[str, tuple[Path, str]]) -> list[Path]:
+        """`early`: name → (file, sha256) fetched while the job ran; moved into place where the
+        sha256 is the record's, instead of fetched again."""
         dest_dir.mkdir(parents=True, exist_ok=True)
         wanted = [a for a in self.artifacts if names is None or a["name"] in names]
         if names is not None and len(wanted) != len(set(names)):
@@ -272,6 +315,11 @@ class Job:
         targets = [dest_dir.joinpath(*_safe_relative(art["name"]).parts) for art in wanted]
 
         def fetch(art: dict[str, Any], target: Path) -> Path:
+            have = early.get(art["name"])
+            if have is not None and have[1] == art["sha256"]:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(have[0], target)  # checked against this sha256 as it was written
+                return target
             for attempt in range(3):
                 try:
                     self._client._download_one(self.id, art, target)
@@ -289,6 +337,60 @@ class Job:
 
         with ThreadPoolExecutor(max_workers=min(DOWNLOAD_STREAMS, len(wanted))) as pool:
             return list(pool.map(fetch, wanted, targets))
+
+
+class _EarlyDownloads:
+    """Job.wait(download_to=...): each artifact stored while the job runs is fetched at once
+    (two at a time) into `dest/.fxport-<job id>.partial/`, which is always removed on exit."""
+
+    STREAMS = 2
+
+    def __init__(self, job: Job, dest: Path) -> None:
+        self.job = job
+        self.dir = dest / f".fxport-{job.id}.partial"
+        self._pool: Any = None
+        self._futures: list[Any] = []
+        self._lock = threading.Lock()
+        self._fetched: dict[str, tuple[Path, str]] = {}
+
+    def __enter__(self) -> "_EarlyDownloads":
+        return self
+
+    def fetch(self, art: dict[str, Any]) -> None:
+        try:
+            rel = _safe_relative(art["name"])
+        except IntegrityError as exc:
+            log.warning("not fetching early: %s", exc)
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._pool = ThreadPoolExecutor(max_workers=self.STREAMS, thread_name_prefix="fxport-early")
+        # A folder per offer: the worker may store the same name again while an older copy comes down.
+        target = self.dir.joinpath(str(len(self._futures)), *rel.parts)
+        self._futures.append(self._pool.submit(self._fetch, art, target))
+
+    def _fetch(self, art: dict[str, Any], target: Path) -> None:
+        try:
+            self.job._client._download_one(self.job.id, art, target, early=True)
+        except Exception as exc:  # noqa: BLE001 - only a head start: fetched again at the end
+            log.info("early download of %s failed: %s", art["name"], exc)
+            return
+        with self._lock:
+            self._fetched[art["name"]] = (target, art["sha256"])
+
+    def finish(self) -> dict[str, tuple[Path, str]]:
+        """Wait for the fetches under way; name → (file, sha256) of the latest copy of each."""
+        for future in self._futures:
+            future.result()
+        with self._lock:
+            return dict(self._fetched)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @dataclass
@@ -505,10 +607,12 @@ class Client:
                           pb.GetArtifactUrlRequest(job_id=job_id, name=name, expires_s=expires_s))
         return resp.url
 
-    def _download_one(self, job_id: str, art: dict[str, Any], target: Path) -> None:
+    def _download_one(self, job_id: str, art: dict[str, Any], target: Path, *, early: bool = False) -> None:
         """One artifact into `target`, its bytes and sha256 checked against the job record:
         from the object store directly when it can be (`direct_download`), else streamed by
-        the server (DownloadArtifact)."""
+        the server (DownloadArtifact). `early`: a staged artifact of a running job, which the
+        worker may still replace or delete: a failed direct fetch only raises, and teaches
+        nothing about whether the store can be reached from here."""
         if self.direct_download is not False and self._direct_works is not False:
             try:
                 url = self.artifact_url(job_id, art["name"], expires_s=DIRECT_URL_EXPIRY_S)
@@ -516,6 +620,8 @@ class Client:
                 self._direct_works = True
                 return
             except (RequestRefused, _DirectUnavailable) as exc:  # no presigned URLs, or no way to the store
+                if early and not isinstance(exc, RequestRefused):
+                    raise ServerUnreachable(f"{art['name']}: {exc}") from None
                 if self.direct_download:
                     raise ServerUnreachable(f"{art['name']}: cannot download directly from the object store "
                                             f"({exc}); use direct_download=False to have the server relay it") from None

@@ -146,7 +146,7 @@ def _job_summary(job: Job, out: Path | None, console: Console) -> None:
 def _finish(job: Job, *, out: Optional[Path], as_json: bool) -> int:
     paths: list[Path] = []
     if out is not None and job.artifacts:
-        paths = job.download(out)
+        paths = job.downloaded if job.downloaded is not None else job.download(out)
     if as_json:
         doc = job.to_dict()
         if job.upload is not None:
@@ -223,8 +223,8 @@ def submit(
                 else:
                     print(job.id)
                 return EXIT_OK
-            with _Progress() as progress:
-                job.wait(timeout=timeout, on_event=progress)
+            with _Progress() as progress:  # with --out, artifacts stored early come down meanwhile
+                job.wait(timeout=timeout, on_event=progress, download_to=out)
             return _finish(job, out=out, as_json=as_json)
 
     _run(body, as_json)

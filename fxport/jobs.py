@@ -96,6 +96,10 @@ class JobRecord(BaseModel):
     model: InputRef
     calibration: InputRef | None = None
     artifacts: list[ArtifactRecord] = Field(default_factory=list)
+    staged: list[ArtifactRecord] = Field(
+        default_factory=list,
+        description="Artifacts stored while the job runs, before verification ended (latest copy of each name); "
+                    "cleared whenever the job leaves RUNNING or starts a new attempt.")
     error: JobErrorInfo | None = None
     created_at: float = Field(default_factory=time.time)
     updated_at: float = Field(default_factory=time.time)
@@ -126,6 +130,7 @@ class JobEvent(BaseModel):
     # and its end, and never one attempt's events after the next attempt started.
     attempt: int = 0
     worker: str | None = None
+    staged: ArtifactRecord | None = None  # this event is an artifact stored early (JobRecord.staged)
 
     @property
     def terminal(self) -> bool:
@@ -169,6 +174,7 @@ def apply_update(
     message: str | None = None,
     error: JobErrorInfo | None = None,
     artifacts: list[ArtifactRecord] | None = None,
+    staged: ArtifactRecord | None = None,
     worker: str | None = None,
     new_attempt: bool = False,
     task_id: str | None = None,
@@ -224,6 +230,12 @@ def apply_update(
         rec.error = error
     if artifacts is not None:
         rec.artifacts = list(artifacts)
+    if staged is not None:
+        if rec.state is not JobState.RUNNING:
+            return None  # stored for an attempt that is over: nothing to offer
+        rec.staged = [a for a in rec.staged if a.name != staged.name] + [staged]
+    if rec.state is not JobState.RUNNING or new_attempt:
+        rec.staged = []  # another attempt re-uploads; an ended job offers its `artifacts` only
     if worker is not None:
         rec.worker = worker
     if task_id is not None:
@@ -240,10 +252,10 @@ def apply_update(
     return rec
 
 
-def event_for(rec: JobRecord, seq: int) -> JobEvent:
+def event_for(rec: JobRecord, seq: int, staged: ArtifactRecord | None = None) -> JobEvent:
     return JobEvent(
         seq=seq, job_id=rec.id, time=rec.updated_at, state=rec.state, stage=rec.stage,
-        progress=rec.progress, message=rec.message, attempt=rec.attempts, worker=rec.worker,
+        progress=rec.progress, message=rec.message, attempt=rec.attempts, worker=rec.worker, staged=staged,
     )
 
 
@@ -538,7 +550,8 @@ class RedisJobStore(JobStore):
                     pipe.multi()
                     pipe.hset(key, mapping={"record": new.model_dump_json(), "state": new.state.value,
                                             "seq": new.last_seq})
-                    pipe.xadd(self._events(job_id), {"e": event_for(new, new.last_seq).model_dump_json()},
+                    event = event_for(new, new.last_seq, changes.get("staged"))
+                    pipe.xadd(self._events(job_id), {"e": event.model_dump_json()},
                               id=f"0-{new.last_seq}", maxlen=self.EVENTS_MAXLEN, approximate=True)
                     if new.state is JobState.RUNNING:
                         pipe.sadd(self._running(), job_id)
@@ -694,7 +707,8 @@ class SqliteJobStore(JobStore):
                 return rec, False
             new.last_seq = rec.last_seq + 1
             db.execute("UPDATE jobs SET state=?, record=? WHERE id=?", (new.state.value, new.model_dump_json(), job_id))
-            db.execute("INSERT INTO events VALUES (?,?,?)", (job_id, new.last_seq, event_for(new, new.last_seq).model_dump_json()))
+            event = event_for(new, new.last_seq, changes.get("staged"))
+            db.execute("INSERT INTO events VALUES (?,?,?)", (job_id, new.last_seq, event.model_dump_json()))
         return new, True
 
     def read_events(self, job_id: str, after_seq: int = 0, timeout: float = 0.0) -> list[JobEvent]:

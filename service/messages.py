@@ -42,6 +42,8 @@ def job_to_proto(rec: JobRecord) -> pb.Job:
         msg.calibration.CopyFrom(pb.InputRef(sha256=c.sha256, bytes=c.bytes, filename=c.filename, key=c.key))
     for a in rec.artifacts:
         msg.artifacts.add(name=a.name, format=a.format, key=a.key, bytes=a.bytes, sha256=a.sha256)
+    for a in rec.staged:
+        msg.staged_artifacts.add(name=a.name, format=a.format, key=a.key, bytes=a.bytes, sha256=a.sha256)
     if rec.error is not None:
         e = rec.error
         msg.error.CopyFrom(pb.JobError(stage=e.stage or "", code=e.code, message=e.message, detail=e.detail or ""))
@@ -62,6 +64,9 @@ def event_to_proto(ev: JobEvent, job: JobRecord | None = None) -> pb.JobEvent:
     msg = pb.JobEvent(seq=ev.seq, job_id=ev.job_id, state=STATE_TO_PROTO[ev.state], stage=ev.stage or "",
                       progress=ev.progress, message=ev.message)
     msg.time.CopyFrom(timestamp(ev.time))
+    if ev.staged is not None:
+        a = ev.staged
+        msg.staged.CopyFrom(pb.Artifact(name=a.name, format=a.format, key=a.key, bytes=a.bytes, sha256=a.sha256))
     if job is not None:
         msg.job.CopyFrom(job_to_proto(job))
     return msg

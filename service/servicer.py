@@ -368,10 +368,11 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             return job_to_proto(new)
 
     def _artifact(self, rec: JobRecord, name: str, context: grpc.ServicerContext) -> Any:
-        for art in rec.artifacts:
+        """The job's artifact `name`: a result, or while the job runs one it stored early (staged)."""
+        for art in (*rec.artifacts, *rec.staged):
             if art.name == name:
                 return art
-        names = ", ".join(a.name for a in rec.artifacts) or "none yet"
+        names = ", ".join(a.name for a in (*rec.artifacts, *rec.staged)) or "none yet"
         context.abort(grpc.StatusCode.NOT_FOUND, f"job {rec.id} has no artifact {name!r}; it has: {names}")
 
     def DownloadArtifact(
@@ -391,7 +392,10 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"object store: {exc}")
         if h.hexdigest() != art.sha256:
             with job_context(rec.id):
-                log.error("stored artifact %s does not match its sha256", art.name)
+                if art in rec.staged:  # the worker stored it again meanwhile: the client fetches it at the end
+                    log.info("staged artifact %s changed while it was read", art.name)
+                else:
+                    log.error("stored artifact %s does not match its sha256", art.name)
             context.abort(grpc.StatusCode.DATA_LOSS, f"artifact {art.name!r} in the store does not match its sha256")
 
     def GetArtifactUrl(self, request: pb.GetArtifactUrlRequest, context: grpc.ServicerContext) -> pb.GetArtifactUrlResponse:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fxport.storage import StoredObject, artifact_key, check_artifact_name
 
@@ -34,8 +34,11 @@ LATE_FILES = ("manifest.json", "report.html")
 class EarlyUpload:
     """`offer()` whenever more artifacts may be final; `wait()` → {name: StoredObject} of what went up."""
 
-    def __init__(self, artifacts: Any, tenant: str, job_id: str, out_dir: Path, spool_dir: Path) -> None:
+    def __init__(self, artifacts: Any, tenant: str, job_id: str, out_dir: Path, spool_dir: Path,
+                 on_stored: Callable[[str, StoredObject], None] | None = None) -> None:
+        """`on_stored(name, stored)` is called (from the upload thread) after each file went up."""
         self.artifacts, self.tenant, self.job_id = artifacts, tenant, job_id
+        self.on_stored = on_stored
         self.out_dir, self.spool_dir = out_dir, spool_dir
         self.uploaded: dict[str, StoredObject] = {}
         self._seen: dict[str, tuple[int, int]] = {}  # name → (size, mtime_ns) when it was snapshotted
@@ -86,6 +89,12 @@ class EarlyUpload:
                 self._seen[name] = (st.st_size, st.st_mtime_ns)
             except Exception as exc:  # the late upload does it again; nothing is lost
                 log.info("early upload of %s failed (it is retried after verification): %s", name, exc)
+                continue
+            if self.on_stored is not None and not self._stop.is_set():
+                try:
+                    self.on_stored(name, self.uploaded[name])
+                except Exception as exc:  # only an offer to the client: the job goes on
+                    log.info("could not announce the early upload of %s: %s", name, exc)
 
     def wait(self) -> dict[str, StoredObject]:
         """Finish the file in flight and stop (at once, if nothing started)."""

@@ -263,6 +263,13 @@ def _fail(ctx: WorkerContext, job_id: str, stage: str | None, code: str, message
     return rec
 
 
+def _announce_staged(ctx: WorkerContext, job_id: str, name: str, stored: StoredObject) -> None:
+    """An artifact went up while the engine works on: the client may fetch it already
+    (JobRecord.staged); it keeps the copy only if the verified result lists the same sha256."""
+    ctx.jobs.transition(job_id, staged=ArtifactRecord(name=name, format="", key=stored.key, bytes=stored.bytes,
+                                                      sha256=stored.sha256))
+
+
 def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRecord | None:
     rec = ctx.jobs.get(job_id)
     if rec is None:
@@ -325,7 +332,8 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         tmp = Path(tmp_str)
         out_dir = tmp / "out"
         out_dir.mkdir()
-        early.append(EarlyUpload(ctx.artifacts, rec.tenant, rec.id, out_dir, tmp / "spool"))
+        early.append(EarlyUpload(ctx.artifacts, rec.tenant, rec.id, out_dir, tmp / "spool",
+                                 on_stored=lambda name, stored: _announce_staged(ctx, job_id, name, stored)))
         manifest: dict[str, Any] | None = None
         try:
             if redelivered:

@@ -134,7 +134,7 @@ class StageTiming(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "tenant", "state", "stage", "progress", "message", "spec_json", "spec_digest", "labels", "model", "calibration", "artifacts", "error", "created_at", "updated_at", "started_at", "finished_at", "stage_timings", "cache_hit", "worker", "attempts", "idempotency_key", "last_seq")
+    __slots__ = ("id", "tenant", "state", "stage", "progress", "message", "spec_json", "spec_digest", "labels", "model", "calibration", "artifacts", "error", "created_at", "updated_at", "started_at", "finished_at", "stage_timings", "cache_hit", "worker", "attempts", "idempotency_key", "last_seq", "staged_artifacts")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class Job(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STAGED_ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     tenant: str
     state: JobState
@@ -188,10 +189,11 @@ class Job(_message.Message):
     attempts: int
     idempotency_key: str
     last_seq: int
-    def __init__(self, id: _Optional[str] = ..., tenant: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., stage: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., spec_json: _Optional[str] = ..., spec_digest: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[_Union[InputRef, _Mapping]] = ..., calibration: _Optional[_Union[InputRef, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stage_timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., cache_hit: _Optional[bool] = ..., worker: _Optional[str] = ..., attempts: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    staged_artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
+    def __init__(self, id: _Optional[str] = ..., tenant: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., stage: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., spec_json: _Optional[str] = ..., spec_digest: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[_Union[InputRef, _Mapping]] = ..., calibration: _Optional[_Union[InputRef, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stage_timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., cache_hit: _Optional[bool] = ..., worker: _Optional[str] = ..., attempts: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., last_seq: _Optional[int] = ..., staged_artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("seq", "job_id", "time", "state", "stage", "progress", "message", "job")
+    __slots__ = ("seq", "job_id", "time", "state", "stage", "progress", "message", "job", "staged")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +202,7 @@ class JobEvent(_message.Message):
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     job_id: str
     time: _timestamp_pb2.Timestamp
@@ -208,7 +211,8 @@ class JobEvent(_message.Message):
     progress: float
     message: str
     job: Job
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., stage: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+    staged: Artifact
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., stage: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., job: _Optional[_Union[Job, _Mapping]] = ..., staged: _Optional[_Union[Artifact, _Mapping]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -188,3 +188,55 @@ def test_artifacts_download_from_the_store_directly_or_through_the_server(distri
     finally:
         s3.client().put_object(Bucket=s3.bucket, Key=store.prefix + onnx["key"], Body=original,
                                Metadata={"sha256": onnx["sha256"]})
+
+
+def test_wait_with_download_to_fetches_artifacts_while_the_job_still_runs(distributed_stack, tiny_pt2, tmp_path,
+                                                                          monkeypatch):
+    """`wait(download_to=...)`, what `fxport submit -o` does: what the worker stores during
+    export and verify comes down before the job ends, and is kept rather than fetched again."""
+    out = tmp_path / "out"
+    with Client(distributed_stack.address) as c:
+        fetches: list[tuple[str, bool]] = []
+        real = c._download_one
+
+        def counted(job_id, art, target, *, early=False):
+            real(job_id, art, target, early=early)
+            fetches.append((art["name"], early))
+
+        monkeypatch.setattr(c, "_download_one", counted)
+        job = c.submit(tiny_pt2, {"targets": ["onnx", "torchscript"], "labels": {"suite": "early"}})
+        events = []
+        job.wait(timeout=180, on_event=events.append, download_to=out)
+    assert job.state == "SUCCEEDED", (job.error, distributed_stack.logs())
+
+    staged = [e for e in events if e.staged is not None]
+    assert {"model.onnx", "model.ts"} <= {e.staged["name"] for e in staged}
+    assert all(e.state == "RUNNING" for e in staged) and job.staged_artifacts == []
+    early = {name for name, was_early in fetches if was_early}
+    late = [name for name, was_early in fetches if not was_early]
+    assert {"model.onnx", "model.ts"} <= early
+    assert sorted(late) == sorted({a["name"] for a in job.artifacts} - early)  # nothing fetched twice
+
+    # Exactly the job's artifacts, each the record's bytes; the hidden folder is gone.
+    assert sorted(p.name for p in out.iterdir()) == sorted(a["name"] for a in job.artifacts)
+    assert sorted(job.downloaded) == sorted(out / a["name"] for a in job.artifacts)
+    for a in job.artifacts:
+        assert hashlib.sha256((out / a["name"]).read_bytes()).hexdigest() == a["sha256"]
+
+
+def test_wait_with_download_to_leaves_nothing_when_the_job_does_not_succeed(distributed_stack, resnet18_pt2,
+                                                                            tmp_path):
+    out = tmp_path / "out"
+    with Client(distributed_stack.address) as c:
+        job = c.submit(resnet18_pt2, {"targets": ["torchscript", "onnx"], "labels": {"suite": "early-cancel"}})
+        staged = []
+
+        def cancel_once_staged(ev):  # model.ts is stored while the ONNX export still runs
+            if ev.staged is not None and not staged:
+                staged.append(ev.staged["name"])
+                c.cancel(job.id)
+
+        job.wait(timeout=300, on_event=cancel_once_staged, download_to=out)
+    assert staged and job.state == "CANCELLED", (job.state, job.error)
+    assert job.downloaded is None
+    assert not out.exists() or list(out.iterdir()) == []

@@ -30,6 +30,8 @@ def test_cli_submit_wait_out_json_on_embedded_server(embedded_server, tiny_pt2, 
     for name, art in by_name.items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == art["sha256"]
     assert sorted(doc["downloaded"]) == sorted(str(out / n) for n in by_name)
+    # Artifacts fetched while the job ran (relayed: a file store has no presigned URLs) left no trace.
+    assert sorted(p.name for p in out.iterdir()) == sorted({n.split("/")[0] for n in by_name})
 
     # Embedded state lives under FXPORT_HOME: SQLite job store + filesystem artifact store.
     home = embedded_server.home

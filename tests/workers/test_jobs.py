@@ -176,6 +176,82 @@ def test_cancel_while_running_leaves_no_artifacts(ctx):
     assert ctx.artifacts.list_prefix(job_prefix("default", rec.id)) == []
 
 
+def _wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _staging_engine(ctx, job_id, seen: dict, rewrite_onnx: bool = False, fail: bool = False):
+    """Writes model.ts during export and model.onnx when verify begins, as the engine does;
+    then waits until the worker has offered both to clients before finishing."""
+
+    def engine(model_path, spec, out_dir, *, on_progress, **kw):
+        on_progress({"stage": "export", "progress": 0.0, "message": ""})
+        (out_dir / "model.ts").write_bytes(b"torchscript bytes")
+        on_progress({"stage": "export", "progress": 0.5, "message": "onnx"})
+        (out_dir / "model.onnx").write_bytes(b"onnx bytes, first write")
+        on_progress({"stage": "verify", "progress": 0.0, "message": ""})
+        _wait_for(lambda: len(ctx.jobs.get(job_id).staged) == 2)
+        seen["staged"] = {a.name: a for a in ctx.jobs.get(job_id).staged}
+        if rewrite_onnx:  # the guess was early: the file changed after it went up
+            (out_dir / "model.onnx").write_bytes(b"onnx bytes, final")
+        if fail:
+            raise VerificationFailed("onnx output differs", stage="verify")
+        return _manifest_of(out_dir)
+
+    return engine
+
+
+def _manifest_of(out_dir: Path) -> dict:
+    arts = [{"format": fmt, "path": name, "bytes": (out_dir / name).stat().st_size,
+             "sha256": hashlib.sha256((out_dir / name).read_bytes()).hexdigest()}
+            for name, fmt in (("model.onnx", "onnx"), ("model.ts", "torchscript"))]
+    manifest = {"artifacts": arts, "verification": [{"format": "onnx", "passed": True}]}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_artifacts_stored_during_the_run_are_offered_to_clients_until_the_job_ends(ctx):
+    rec = make_job(ctx, {"targets": ["onnx", "torchscript"]})
+    seen: dict = {}
+    ctx.engine = _staging_engine(ctx, rec.id, seen)
+    done = execute_job(rec.id, ctx)
+    assert done.state is JobState.SUCCEEDED
+    final = {a.name: a for a in done.artifacts}
+    # While it ran: each file, stored under its final key with the digest it has.
+    for name, art in seen["staged"].items():
+        assert art.key == f"default/jobs/{rec.id}/{name}"
+        assert art.sha256 == final[name].sha256 == hashlib.sha256(b"".join(ctx.artifacts.iter_chunks(art.key))).hexdigest()
+    # Each one was announced by an event of its own, and the ended job offers only its results.
+    staged_events = [e.staged.name for e in ctx.jobs.read_events(rec.id) if e.staged is not None]
+    assert sorted(staged_events) == ["model.onnx", "model.ts"]
+    assert done.staged == []
+
+
+def test_a_file_changed_after_it_was_staged_ends_with_its_final_digest(ctx):
+    rec = make_job(ctx, {"targets": ["onnx", "torchscript"]})
+    seen: dict = {}
+    ctx.engine = _staging_engine(ctx, rec.id, seen, rewrite_onnx=True)
+    done = execute_job(rec.id, ctx)
+    assert done.state is JobState.SUCCEEDED
+    final = {a.name: a for a in done.artifacts}
+    expected = hashlib.sha256(b"onnx bytes, final").hexdigest()
+    assert seen["staged"]["model.onnx"].sha256 != expected  # a client's early copy no longer matches ...
+    assert final["model.onnx"].sha256 == expected  # ... the result, which is what the store holds now
+    assert ctx.artifacts.head(final["model.onnx"].key).sha256 == expected
+
+
+def test_a_failed_job_withdraws_what_it_staged(ctx):
+    rec = make_job(ctx, {"targets": ["onnx", "torchscript"]})
+    seen: dict = {}
+    ctx.engine = _staging_engine(ctx, rec.id, seen, fail=True)
+    done = execute_job(rec.id, ctx)
+    assert done.state is JobState.FAILED and done.staged == []
+    assert all(not ctx.artifacts.exists(a.key) for a in seen["staged"].values())
+
+
 def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
     rec = make_job(ctx, {"targets": ["torchscript", "tensorrt"]})
     handed: list = []
