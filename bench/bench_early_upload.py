@@ -25,23 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._report import machine, write_section  # noqa: E402
-from bench.bench_cache import engine_in_process, full_stack, save_variant  # noqa: E402
+from bench.bench_cache import engine_in_process, full_stack, save_variant, seaweed_write_cost  # noqa: E402
 
 MODES = (("during export and verify (default)", "true"), ("after the job", "false"))
-
-
-def seaweed_write_cost(s3: object, work: Path, mib: int = 45, n: int = 3) -> float:
-    """CPU milliseconds SeaweedFS spends per MiB written, over `n` PUTs of `mib` MiB."""
-    from bench.bench_cache import cpu_s
-    from fxport.storage import S3Store
-
-    blob = work / "blob"
-    blob.write_bytes(os.urandom(mib << 20))
-    store = S3Store(s3.bucket, "weed-cost", endpoint_url=s3.endpoint)  # type: ignore[attr-defined]
-    before = cpu_s(s3.process.pid)  # type: ignore[attr-defined]
-    for i in range(n):
-        store.put_file(f"blob-{i}", blob)
-    return (cpu_s(s3.process.pid) - before) * 1000 / (n * mib)  # type: ignore[attr-defined]
 
 
 def main() -> None:
