@@ -20,13 +20,14 @@ submit whose response was lost cannot create a second job.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import threading
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -283,19 +284,14 @@ class Job:
         there, so at SUCCEEDED only the rest is left to fetch; an early copy is kept only if
         its sha256 is the one the finished job lists. A job that does not succeed leaves
         nothing in the folder."""
-        if download_to is None:
+        dest = None if download_to is None else Path(download_to)
+        with _EarlyDownloads(self, dest) if dest is not None else contextlib.nullcontext() as early:
             for event in self.events(timeout=timeout):
-                if on_event is not None:
-                    on_event(event)
-            return self
-        dest = Path(download_to)
-        with _EarlyDownloads(self, dest) as early:
-            for event in self.events(timeout=timeout):
-                if event.staged is not None:
+                if early is not None and event.staged is not None:
                     early.fetch(event.staged)
                 if on_event is not None:
                     on_event(event)
-            if self.succeeded:
+            if early is not None and self.succeeded:
                 self.downloaded = self._download(dest, None, early.finish())
         return self
 

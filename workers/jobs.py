@@ -266,8 +266,8 @@ def _fail(ctx: WorkerContext, job_id: str, stage: str | None, code: str, message
 def _announce_staged(ctx: WorkerContext, job_id: str, name: str, stored: StoredObject) -> None:
     """An artifact went up while the engine works on: the client may fetch it already
     (JobRecord.staged); it keeps the copy only if the verified result lists the same sha256."""
-    ctx.jobs.transition(job_id, staged=ArtifactRecord(name=name, format="", key=stored.key, bytes=stored.bytes,
-                                                      sha256=stored.sha256))
+    ctx.jobs.transition(job_id, staged=ArtifactRecord(name=name, format=artifact_format(name, {}), key=stored.key,
+                                                      bytes=stored.bytes, sha256=stored.sha256))
 
 
 def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRecord | None:

@@ -222,7 +222,7 @@ def test_artifacts_stored_during_the_run_are_offered_to_clients_until_the_job_en
     final = {a.name: a for a in done.artifacts}
     # While it ran: each file, stored under its final key with the digest it has.
     for name, art in seen["staged"].items():
-        assert art.key == f"default/jobs/{rec.id}/{name}"
+        assert art.key == f"default/jobs/{rec.id}/{name}" and art.format == final[name].format
         assert art.sha256 == final[name].sha256 == hashlib.sha256(b"".join(ctx.artifacts.iter_chunks(art.key))).hexdigest()
     # Each one was announced by an event of its own, and the ended job offers only its results.
     staged_events = [e.staged.name for e in ctx.jobs.read_events(rec.id) if e.staged is not None]
