@@ -94,13 +94,15 @@ def schedstat(pid: int | str = "self") -> tuple[float, float]:
 
 class EngineWait:
     """While running, samples /proc/<pid>/schedstat of every process under `roots`: at the end
-    the busiest one's (the sandbox child running the engine) last sample is its CPU time and
-    its time spent waiting for a CPU (to within the last 0.2 s)."""
+    the busiest one's (the sandbox child running the engine) CPU time and time spent waiting for
+    a CPU during the run (to within the last 0.2 s). schedstat counts from a process's start, so a
+    process already alive at the first sample (a pool process that ran earlier jobs) counts only
+    what it added since; one born during the run counts from its start."""
 
     def __init__(self, roots: list[int]) -> None:
         import threading
 
-        self.roots, self.seen = roots, {}
+        self.roots, self.seen, self.first = roots, {}, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -117,6 +119,8 @@ class EngineWait:
             for pid in pids:
                 with contextlib.suppress(OSError, ValueError):
                     self.seen[pid] = schedstat(pid)
+                    if tick == 0:
+                        self.first.setdefault(pid, self.seen[pid])
             if self._stop.wait(0.2):
                 return
 
@@ -129,7 +133,9 @@ class EngineWait:
         self._thread.join()
 
     def busiest(self) -> tuple[float, float]:
-        return max(self.seen.values(), default=(0.0, 0.0))
+        during = [(on - self.first.get(pid, (0.0, 0.0))[0], waiting - self.first.get(pid, (0.0, 0.0))[1])
+                  for pid, (on, waiting) in self.seen.items()]
+        return max(during, default=(0.0, 0.0))
 
 
 def cpu_s(pid: int) -> float:
