@@ -51,6 +51,7 @@ class JobState(str, Enum):
 
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+IN_FLIGHT_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
 STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "tensorrt", "upload")
 
 
@@ -320,20 +321,13 @@ class JobStore(ABC):
         """Ids of RUNNING jobs (the orphan sweeper's candidates)."""
         return self.ids_in_states([JobState.RUNNING])
 
-    def count_recent_in_states(self, tenant: str, states: Iterable[JobState], newest: int) -> int:
-        """How many of `tenant`'s `newest` jobs are in one of `states` (per-tenant admission on every
-        submit: the backends answer it without reading whole records)."""
-        wanted, n, seen, before = set(states), 0, 0, None
-        while seen < newest:
-            ids = self._ids_desc(tenant, before, min(500, newest - seen))
-            for job_id in ids:
-                rec = self.get(job_id)
-                n += rec is not None and rec.state in wanted
-            seen += len(ids)
-            if not ids:
-                break
-            before = ids[-1]
-        return n
+    @abstractmethod
+    def count_in_flight(self, tenant: str, *, exact: bool = False) -> int:
+        """How many of `tenant`'s jobs are QUEUED or RUNNING: per-tenant admission asks on every
+        submit, so it is answered from an index kept with the records, in time independent of
+        the tenant's history. `exact`: check each indexed job against its record and drop the
+        ones no longer in flight — what admission does before it refuses a submit. (A job
+        recorded before the index existed is counted from its next update on.)"""
 
     # -- job leases (DESIGN.md §7): at most one live worker runs a job -----------------------
     # A worker takes the lease before it starts a job and renews it while the job runs; a
@@ -428,6 +422,7 @@ end
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'state', ARGV[3], 'seq', 1)
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '0-1', 'e', ARGV[5])
 redis.call('ZADD', KEYS[3], 0, ARGV[1])
+if ARGV[3] == 'QUEUED' or ARGV[3] == 'RUNNING' then redis.call('SADD', KEYS[5], ARGV[1]) end
 return ARGV[1]
 """
 
@@ -501,6 +496,9 @@ class RedisJobStore(JobStore):
     def _tenant_jobs(self, tenant: str) -> str:
         return f"{self.ns}:tenant:{tenant}:jobs"
 
+    def _in_flight(self, tenant: str) -> str:
+        return f"{self.ns}:tenant:{tenant}:in-flight"
+
     def _idem(self, tenant: str, key: str) -> str:
         return f"{self.ns}:idem:{tenant}:{_idem_digest(key)}"
 
@@ -509,7 +507,7 @@ class RedisJobStore(JobStore):
         idem = rec.idempotency_key or ""
         job_id = self._create(
             keys=[self._job(rec.id), self._events(rec.id), self._tenant_jobs(rec.tenant),
-                  self._idem(rec.tenant, idem) if idem else f"{self.ns}:noidem"],
+                  self._idem(rec.tenant, idem) if idem else f"{self.ns}:noidem", self._in_flight(rec.tenant)],
             args=[rec.id, rec.model_dump_json(), rec.state.value, idem,
                   event_for(rec, 1).model_dump_json(), self.EVENTS_MAXLEN],
         )
@@ -557,6 +555,12 @@ class RedisJobStore(JobStore):
                         pipe.sadd(self._running(), job_id)
                     elif rec.state is JobState.RUNNING:
                         pipe.srem(self._running(), job_id)
+                    # Added on every in-flight write, not only on entering: a job created before
+                    # the index existed is counted from its next update on.
+                    if new.state in IN_FLIGHT_STATES:
+                        pipe.sadd(self._in_flight(new.tenant), job_id)
+                    else:
+                        pipe.srem(self._in_flight(new.tenant), job_id)
                     pipe.execute()
                     return new, True
                 except self._redis_mod.WatchError:
@@ -589,16 +593,28 @@ class RedisJobStore(JobStore):
         # An index kept by `transition`, so a sweep does not scan every job ever run.
         return sorted(self.r.smembers(self._running()))
 
-    def count_recent_in_states(self, tenant: str, states: Iterable[JobState], newest: int) -> int:
-        ids = self.r.zrevrangebylex(self._tenant_jobs(tenant), "+", "-", start=0, num=newest)
-        if not ids:
-            return 0
+    def count_in_flight(self, tenant: str, *, exact: bool = False) -> int:
+        key = self._in_flight(tenant)
+        if not exact:
+            return int(self.r.scard(key))
+        ids = sorted(self.r.smembers(key))
         with self.r.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.hget(self._job(job_id), "state")
-            found = pipe.execute()
-        wanted = {s.value for s in states}
-        return sum(1 for state in found if state in wanted)
+            states = pipe.execute()
+        wanted = {s.value for s in IN_FLIGHT_STATES}
+        stale = [job_id for job_id, state in zip(ids, states) if state not in wanted]
+        for job_id in stale:  # only if it is still stale: a transition may have re-added it meanwhile
+            with self.r.pipeline() as pipe:
+                try:
+                    pipe.watch(self._job(job_id))
+                    if pipe.hget(self._job(job_id), "state") not in wanted:
+                        pipe.multi()
+                        pipe.srem(key, job_id)
+                        pipe.execute()
+                except self._redis_mod.WatchError:
+                    pass
+        return len(ids) - len(stale)
 
     def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
         holder = self._acquire(keys=[self._lease(job_id), self._heartbeat(job_id)],
@@ -635,6 +651,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
   id TEXT PRIMARY KEY, tenant TEXT NOT NULL, state TEXT NOT NULL, record TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS jobs_tenant ON jobs (tenant, id);
+CREATE INDEX IF NOT EXISTS jobs_tenant_state ON jobs (tenant, state);
 CREATE TABLE IF NOT EXISTS events (
   job_id TEXT NOT NULL, seq INTEGER NOT NULL, data TEXT NOT NULL, PRIMARY KEY (job_id, seq));
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -739,12 +756,12 @@ class SqliteJobStore(JobStore):
             ).fetchall()
         return [r[0] for r in rows]
 
-    def count_recent_in_states(self, tenant: str, states: Iterable[JobState], newest: int) -> int:
-        wanted = [s.value for s in states]
+    def count_in_flight(self, tenant: str, *, exact: bool = False) -> int:
+        wanted = sorted(s.value for s in IN_FLIGHT_STATES)
         with self._lock:
             row = self._db.execute(
-                f"SELECT COUNT(*) FROM (SELECT state FROM jobs WHERE tenant=? ORDER BY id DESC LIMIT ?) "
-                f"WHERE state IN ({','.join('?' * len(wanted))})", (tenant, int(newest), *wanted)
+                f"SELECT COUNT(*) FROM jobs WHERE tenant=? AND state IN ({','.join('?' * len(wanted))})",
+                (tenant, *wanted),
             ).fetchone()
         return int(row[0])
 

@@ -199,19 +199,40 @@ def test_sweep_orphans_requeues_or_fails_only_silent_unleased_running_jobs(jobs)
     assert set(jobs.running_ids()) == {recent, leased, waiting_gpu}
 
 
-def test_count_recent_in_states_reads_only_the_newest(jobs):
-    """What per-tenant admission asks on every submit (service/limits.py)."""
-    made = []
-    for i in range(6):
-        rec, _ = jobs.create(record(tenant="counted"))
-        made.append(rec.id)
-        time.sleep(0.002)  # distinct milliseconds: ids sort by creation time
+def test_count_in_flight_follows_every_transition(jobs):
+    """What per-tenant admission asks on every submit (service/limits.py): QUEUED or RUNNING jobs."""
+    made = [jobs.create(record(tenant="counted"))[0].id for _ in range(6)]
     jobs.transition(made[0], state=JobState.RUNNING)
     jobs.transition(made[4], state=JobState.FAILED)
     jobs.transition(made[5], state=JobState.RUNNING)
     jobs.create(record(tenant="someone-else"))
-    in_flight = (JobState.QUEUED, JobState.RUNNING)
-    assert jobs.count_recent_in_states("counted", in_flight, 1000) == 5
-    assert jobs.count_recent_in_states("counted", in_flight, 2) == 1  # made[5] RUNNING, made[4] FAILED
-    assert jobs.count_recent_in_states("counted", [JobState.FAILED], 1000) == 1
-    assert jobs.count_recent_in_states("nobody", in_flight, 1000) == 0
+    assert jobs.count_in_flight("counted") == 5
+    jobs.transition(made[1], state=JobState.CANCELLED)
+    jobs.transition(made[0], state=JobState.SUCCEEDED)
+    jobs.transition(made[5], state=JobState.QUEUED)  # requeued: still in flight
+    assert jobs.count_in_flight("counted") == 3
+    assert jobs.count_in_flight("counted", exact=True) == 3
+    assert jobs.count_in_flight("someone-else") == 1
+    assert jobs.count_in_flight("nobody") == 0
+    done, _ = jobs.create(record(tenant="cached", state=JobState.SUCCEEDED))  # a cache hit is born finished
+    assert jobs.count_in_flight("cached") == 0
+
+
+def test_in_flight_index_is_checked_against_the_records(redis_server):
+    """The Redis index is a set kept beside the records: one that is out of step (a job recorded
+    before the index existed, or a member left behind) is counted right by `exact`, which repairs it."""
+    jobs = RedisJobStore(redis_server.url, namespace=f"t{uuid.uuid4().hex[:8]}")
+    try:
+        queued = jobs.create(record(tenant="t"))[0].id
+        finished = jobs.create(record(tenant="t"))[0].id
+        jobs.transition(finished, state=JobState.FAILED)
+        jobs.r.sadd(jobs._in_flight("t"), finished)  # left behind
+        jobs.r.srem(jobs._in_flight("t"), queued)  # recorded before the index
+        assert jobs.count_in_flight("t") == 1  # the stale member, not the queued job
+        assert jobs.count_in_flight("t", exact=True) == 0  # the stale member dropped; the queued job not indexed yet
+        assert jobs.count_in_flight("t") == 0
+        assert not jobs.r.sismember(jobs._in_flight("t"), finished)
+        jobs.transition(queued, state=JobState.RUNNING)  # its next update enters it
+        assert jobs.count_in_flight("t") == 1
+    finally:
+        jobs.close()
