@@ -19,7 +19,6 @@ import grpc
 from fxport.jobs import JobStore
 
 
-
 class InFlightLimit:
     def __init__(self, jobs: JobStore, limit: int) -> None:
         self.jobs, self.limit = jobs, limit
