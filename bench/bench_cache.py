@@ -9,9 +9,10 @@ SeaweedFS S3, `fxport serve` with the cache on, one Celery worker with 2 pool pr
    ÷ the engine alone in this process (`pipeline.convert`); beside it the same with the
    download after the job, the same stack on a shared-filesystem store instead of SeaweedFS
    (what fxport's own plumbing costs without the S3 server's CPU on these cores), and the CPU
-   time of every process per job. Runs are interleaved (engine,
-   stack, engine, stack, …) and every run converts a model with its own weights, so nothing
-   is answered from the cache or any other cache. Also the engine in its sandbox
+   time of every process per job. Runs go in rounds (engine, sandbox, the stack paths, engine
+   again; each path is compared with the mean of its round's two engine runs, since this
+   machine's speed drifts within a minute) and every run converts a model with its own weights,
+   so nothing is answered from the cache or any other cache. Also the engine in its sandbox
    (`run_engine_job`) to split the difference, and a per-stage timeline of the stack runs.
 2. Cache-hit resubmission of the same model and spec: client hashing + CheckUpload +
    SubmitJob (p50, p99), with the default proof check (bytes re-hashed at most once per
