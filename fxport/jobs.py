@@ -422,7 +422,7 @@ end
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'state', ARGV[3], 'seq', 1)
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '0-1', 'e', ARGV[5])
 redis.call('ZADD', KEYS[3], 0, ARGV[1])
-if ARGV[3] == 'QUEUED' or ARGV[3] == 'RUNNING' then redis.call('SADD', KEYS[5], ARGV[1]) end
+if ARGV[7] == '1' then redis.call('SADD', KEYS[5], ARGV[1]) end
 return ARGV[1]
 """
 
@@ -509,7 +509,8 @@ class RedisJobStore(JobStore):
             keys=[self._job(rec.id), self._events(rec.id), self._tenant_jobs(rec.tenant),
                   self._idem(rec.tenant, idem) if idem else f"{self.ns}:noidem", self._in_flight(rec.tenant)],
             args=[rec.id, rec.model_dump_json(), rec.state.value, idem,
-                  event_for(rec, 1).model_dump_json(), self.EVENTS_MAXLEN],
+                  event_for(rec, 1).model_dump_json(), self.EVENTS_MAXLEN,
+                  "1" if rec.state in IN_FLIGHT_STATES else "0"],
         )
         if job_id == rec.id:
             return rec, True

@@ -26,7 +26,7 @@ from fxport.workers.jobs import WorkerContext, clamp_limits, execute_job
 def queue_only_server(redis_server, tmp_path_factory):
     """The real API + Redis with no worker on its queue (its own Redis db): jobs stay QUEUED."""
     tmp = tmp_path_factory.mktemp("in-flight")
-    tokens = {t: new_token() for t in ("alice", "bob", "carol")}
+    tokens = {t: new_token() for t in ("alice", "bob", "carol", "dave")}
     (tmp / "tokens").write_text("".join(token_entry(t, tok) + "\n" for t, tok in tokens.items()))
     broker = redis_server.url.rsplit("/", 1)[0] + "/9"
     srv, port = create_server(Settings(home=tmp / "home", listen="127.0.0.1:0", broker_url=broker,
@@ -35,12 +35,12 @@ def queue_only_server(redis_server, tmp_path_factory):
     srv.start()
     model = tmp / "model.pt2"
     model.write_bytes(b"bytes the worker would look at; no worker listens here")
-    yield f"127.0.0.1:{port}", tokens, model
+    yield f"127.0.0.1:{port}", tokens, model, broker
     srv.stop(grace=0)
 
 
 def test_jobs_in_flight_per_tenant(queue_only_server):
-    address, tokens, model = queue_only_server
+    address, tokens, model, _ = queue_only_server
     with Client(address, token=tokens["alice"]) as alice, Client(address, token=tokens["bob"]) as bob:
         first = alice.submit(model, {"targets": ["onnx"]}, idempotency_key="in-flight-1")
         alice.submit(model, {"targets": ["onnx"]}, idempotency_key="in-flight-2")
@@ -57,8 +57,22 @@ def test_jobs_in_flight_per_tenant(queue_only_server):
         assert alice.submit(model, {"targets": ["onnx"]}, idempotency_key="in-flight-4").state == "QUEUED"
 
 
+def test_a_stale_in_flight_index_never_refuses_a_submit(queue_only_server):
+    """The count comes from an index beside the records; members left in it for jobs that are no
+    longer in flight are found and dropped before a submit is refused."""
+    import redis
+
+    address, tokens, model, broker = queue_only_server
+    index = "fxport:tenant:dave:in-flight"
+    r = redis.Redis.from_url(broker, decode_responses=True)
+    r.sadd(index, "finished-job-1", "finished-job-2")  # no records: not in flight
+    with Client(address, token=tokens["dave"]) as dave:
+        assert dave.submit(model, {"targets": ["onnx"]}).state == "QUEUED"
+    assert r.smembers(index) and not {"finished-job-1", "finished-job-2"} & r.smembers(index)
+
+
 def test_concurrent_submits_cannot_overshoot(queue_only_server):
-    address, tokens, model = queue_only_server
+    address, tokens, model, _ = queue_only_server
     outcomes: list[str] = []
 
     def submit(i: int) -> None:
