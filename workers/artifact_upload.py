@@ -4,8 +4,10 @@ The engine writes the artifacts one after another during `export` and then spend
 verifying them; the manifest records each artifact's sha256 as export leaves it. So each time
 the sandbox reports export progress (a next target begins: the earlier ones are written) and
 when `verify` begins, a background thread uploads the files that appeared in the output
-folder since. A guess that catches a file still being written costs a second upload of it,
-never a wrong artifact (below).
+folder since. The engine writes each artifact under a hidden folder (names starting with '.',
+which are never artifact names and never scanned here) and renames it into place when it is
+whole. A file that changes anyway after it went up costs a second upload of it, never a wrong
+artifact (below).
 
 The sandbox child is untrusted and still running, so an early upload proves nothing by
 itself: each file is snapshotted (read once into a private spool while hashed, then that
@@ -19,6 +21,7 @@ and early objects of files that are gone are deleted.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -67,10 +70,22 @@ class EarlyUpload:
             self._wake.clear()
             if self._stop.is_set() or self._closing.is_set():
                 return
-            self._scan()
+            try:
+                self._scan()
+            except Exception as exc:  # the late upload does it all; the next offer scans again
+                log.warning("early upload scan failed: %s", exc)
+
+    def _files(self) -> list[Path]:
+        """The regular files under out_dir now. os.walk, unlike Path.rglob, passes over a folder
+        that disappears while it is listed (the engine removes its staging folder while we scan)."""
+        found = []
+        for folder, dirs, files in os.walk(self.out_dir):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            found.extend(Path(folder) / f for f in files)
+        return sorted(found)
 
     def _scan(self) -> None:
-        for path in sorted(self.out_dir.rglob("*")):
+        for path in self._files():
             if self._stop.is_set() or self._closing.is_set():
                 return
             if path.is_symlink() or not path.is_file():
@@ -80,7 +95,7 @@ class EarlyUpload:
                 st = path.stat()
             except OSError:
                 continue
-            if name in LATE_FILES or self._seen.get(name) == (st.st_size, st.st_mtime_ns):
+            if name in LATE_FILES or name.startswith(".") or self._seen.get(name) == (st.st_size, st.st_mtime_ns):
                 continue
             try:
                 key = artifact_key(self.tenant, self.job_id, check_artifact_name(name))

@@ -187,11 +187,17 @@ def _staging_engine(ctx, job_id, seen: dict, rewrite_onnx: bool = False, fail: b
     """Writes model.ts during export and model.onnx when verify begins, as the engine does;
     then waits until the worker has offered both to clients before finishing."""
 
+    def write_whole(out_dir: Path, name: str, data: bytes) -> None:  # as the engine's _export_one does
+        (out_dir / ".writing").mkdir(exist_ok=True)
+        (out_dir / ".writing" / name).write_bytes(data)
+        (out_dir / ".writing" / name).replace(out_dir / name)
+
     def engine(model_path, spec, out_dir, *, on_progress, **kw):
         on_progress({"stage": "export", "progress": 0.0, "message": ""})
-        (out_dir / "model.ts").write_bytes(b"torchscript bytes")
+        write_whole(out_dir, "model.ts", b"torchscript bytes")
         on_progress({"stage": "export", "progress": 0.5, "message": "onnx"})
-        (out_dir / "model.onnx").write_bytes(b"onnx bytes, first write")
+        write_whole(out_dir, "model.onnx", b"onnx bytes, first write")
+        (out_dir / ".writing").rmdir()
         on_progress({"stage": "verify", "progress": 0.0, "message": ""})
         _wait_for(lambda: len(ctx.jobs.get(job_id).staged) == 2)
         seen["staged"] = {a.name: a for a in ctx.jobs.get(job_id).staged}
@@ -228,6 +234,33 @@ def test_artifacts_stored_during_the_run_are_offered_to_clients_until_the_job_en
     staged_events = [e.staged.name for e in ctx.jobs.read_events(rec.id) if e.staged is not None]
     assert sorted(staged_events) == ["model.onnx", "model.ts"]
     assert done.staged == []
+
+
+def test_early_upload_passes_over_hidden_folders_and_outlives_a_failed_scan(ctx, tmp_path, monkeypatch):
+    from fxport.workers.artifact_upload import EarlyUpload
+
+    out = tmp_path / "out"
+    (out / ".writing").mkdir(parents=True)
+    (out / ".writing" / "model.onnx").write_bytes(b"half an onnx")  # the engine is still writing it
+    announced: list[str] = []
+    early = EarlyUpload(ctx.artifacts, "default", new_job_id(), out, tmp_path / "spool",
+                        on_stored=lambda name, stored: announced.append(name))
+    scans = {"n": 0}
+    list_files = early._files
+
+    def first_scan_fails():
+        scans["n"] += 1
+        if scans["n"] == 1:
+            raise FileNotFoundError("a folder went away while it was listed")
+        return list_files()
+
+    monkeypatch.setattr(early, "_files", first_scan_fails)
+    early.offer()
+    _wait_for(lambda: scans["n"] == 1)
+    (out / "model.ts").write_bytes(b"torchscript bytes")
+    early.offer()  # the thread is still there to take it
+    _wait_for(lambda: announced == ["model.ts"])
+    assert set(early.wait()) == {"model.ts"}
 
 
 def test_a_file_changed_after_it_was_staged_ends_with_its_final_digest(ctx):

@@ -37,6 +37,7 @@ ARTIFACT_PATHS = {
     "fx_source": "fx_source",
 }
 TORCH_TARGETS = ("torchscript", "exported_program", "fx_source")
+WRITING_DIR = ".writing"  # where an exporter writes; never an artifact name (those never start with '.')
 # an int8 .pt2 / FX source calls torch.ops.quantized_decomposed.*, defined by this import
 _QDQ_IMPORT = "import torch.ao.quantization.fx._decomposed  # defines torch.ops.quantized_decomposed (the Q/DQ ops)"
 
@@ -442,8 +443,35 @@ def _check_targets(loaded: LoadedModel, spec: JobSpec, deferred: Sequence[str] =
 
 def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, out_dir: Path,
                 *, original: Any, extremes: list[tuple[Any, ...]], precision: str = "fp32") -> tuple[Path, str]:
-    """Write one artifact. Returns its path and a note for the manifest ('' when none)."""
-    path = out_dir / ARTIFACT_PATHS[target]
+    """Write one artifact. Returns its path and a note for the manifest ('' when none).
+
+    The exporter writes into out_dir/WRITING_DIR; the finished files are then renamed into
+    out_dir. So a file under its artifact name is always whole: the worker uploads files
+    while the engine still exports (workers/artifact_upload.py) and never catches one half-written."""
+    staging = out_dir / WRITING_DIR
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        written, note = _write_artifact(target, gm, example, sig, spec, staging / ARTIFACT_PATHS[target],
+                                        original=original, extremes=extremes, precision=precision)
+        return _publish(staging, written, out_dir), note
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, written: Path, out_dir: Path) -> Path:
+    """Rename everything the exporter wrote from staging into out_dir, the artifact itself last
+    (after e.g. the model.onnx.data it refers to). Returns the artifact's path in out_dir."""
+    for entry in sorted(staging.iterdir(), key=lambda p: p == written):
+        dest = out_dir / entry.name
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        entry.replace(dest)
+    return out_dir / written.relative_to(staging)
+
+
+def _write_artifact(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, path: Path,
+                    *, original: Any, extremes: list[tuple[Any, ...]], precision: str) -> tuple[Path, str]:
     try:
         if target == "torchscript" and precision == "int8":
             from fxport.workers.engine.exporters.torchscript_int8 import TorchScriptInt8FromQdqGraph
@@ -465,8 +493,6 @@ def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignat
         if target == "fx_source":
             from fxport.workers.engine.exporters.fx_source import FxSourceFromGraphModule
 
-            if path.exists():
-                shutil.rmtree(path)
             imports = (_QDQ_IMPORT,) if precision == "int8" else ()
             return FxSourceFromGraphModule(gm, imports=imports)(path), ""
         from fxport.workers.engine.exporters.onnx import OnnxFromGraphModule

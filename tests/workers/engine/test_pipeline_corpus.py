@@ -112,6 +112,28 @@ def test_resnet18_full_size(tmp_path: Path) -> None:
     assert fuse["changed"] and "20" in fuse["notes"]
 
 
+def test_an_artifact_appears_under_its_name_only_once_it_is_whole(tmp_path: Path, monkeypatch) -> None:
+    """The worker uploads artifacts while the engine still exports (workers/artifact_upload.py),
+    so none may be visible under its name while its exporter is writing it."""
+    from fxport.workers.engine.exporters.onnx import OnnxFromGraphModule
+    from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
+
+    out = tmp_path / "out"
+    seen: list[tuple[str, list[str]]] = []
+    for exporter in (TorchScriptFromGraphModule, OnnxFromGraphModule):
+        def spy(self, path: Path, _write=exporter.__call__) -> Path:
+            written = _write(self, path)
+            seen.append((path.name, sorted(p.name for p in out.iterdir())))  # what a scan of out/ finds now
+            return written
+        monkeypatch.setattr(exporter, "__call__", spy)
+    case = CORPUS["cnn_bn"]
+    manifest = convert(save_pt2(case, tmp_path / "model.pt2"), parse_spec(spec_dict(case, targets=("torchscript", "onnx"))), out)
+    assert [name for name, _ in seen] == ["model.ts", "model.onnx"]
+    assert "model.ts" not in seen[0][1] and seen[1][1] == [".writing", "model.ts"]  # the earlier one is in place
+    assert not (out / ".writing").exists()  # nothing left over
+    _check_manifest(manifest, out, "cnn_bn", ("torchscript", "onnx"))
+
+
 def test_fx_source_runs_from_wherever_it_is_copied(tmp_path: Path) -> None:
     import importlib.util
     import shutil
@@ -127,7 +149,7 @@ def test_fx_source_runs_from_wherever_it_is_copied(tmp_path: Path) -> None:
     shutil.copytree(tmp_path / "out" / "fx_source", moved)
     shutil.rmtree(tmp_path / "out")  # the original location is gone, as on the user's machine
     source = (moved / "module.py").read_text()
-    assert str(tmp_path / "out") not in source
+    assert str(tmp_path / "out") not in source and ".writing" not in source
     spec = importlib.util.spec_from_file_location("moved_fx_source", moved / "module.py")
     module = importlib.util.module_from_spec(spec)
     sys.dont_write_bytecode = True
