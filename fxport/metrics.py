@@ -64,6 +64,7 @@ class FxportMetrics:
     job_duration_seconds: Histogram
     cache_hits_total: Counter
     cache_misses_total: Counter
+    cache_entry_reads_total: Counter
     sandbox_failures_total: Counter
     upload_bytes_total: Counter
 
@@ -117,6 +118,11 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
         cache_misses_total=Counter(
             "fxport_cache_misses_total",
             "Submits that missed the artifact cache and were converted.",
+            registry=registry,
+        ),
+        cache_entry_reads_total=Counter(
+            "fxport_cache_entry_reads_total",
+            "Cache entries the API read from the object store (CheckUpload and SubmitJob lookups).",
             registry=registry,
         ),
         sandbox_failures_total=Counter(

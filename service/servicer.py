@@ -37,6 +37,10 @@ WATCH_POLL_S = 1.0  # how long one blocking read waits before re-checking the cl
 DEFAULT_URL_EXPIRY_S = 900
 MAX_URL_EXPIRY_S = 7 * 24 * 3600
 MAX_IDEMPOTENCY_KEY = 256
+# A model this small goes to the store without asking first whether it is there: the HEAD would
+# cost as much as the PUT, and the same bytes under their content address are the same object.
+SMALL_INPUT_BYTES = 1 << 20
+MISS_MEMO_S = 30.0  # how long CheckUpload's miss stands for the SubmitJob that follows it
 
 
 def _toolchain_source(settings: Settings) -> Any:
@@ -67,6 +71,30 @@ def abort_invalid_spec(context: grpc.ServicerContext, err: SpecError) -> NoRetur
     raise AssertionError("unreachable")
 
 
+class RecentMisses:
+    """Cache keys that CheckUpload looked up and missed a moment ago. The SubmitJob that follows
+    (the client's next call) takes that miss instead of reading the entry again: one object-store
+    read less for every new job. Each miss is taken once and stands for `ttl_s` at most; a result
+    stored in between is then converted again, never served wrong."""
+
+    def __init__(self, ttl_s: float = MISS_MEMO_S, limit: int = 4096) -> None:
+        self.ttl_s, self.limit = ttl_s, limit
+        self._at: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self._at.pop(key, None)
+            self._at[key] = time.monotonic()
+            while len(self._at) > self.limit:  # the oldest first (dicts keep insertion order)
+                del self._at[next(iter(self._at))]
+
+    def take(self, key: str) -> bool:
+        with self._lock:
+            at = self._at.pop(key, None)
+        return at is not None and time.monotonic() - at < self.ttl_s
+
+
 class ConversionServicer(pb_grpc.ConversionServiceServicer):
     def __init__(
         self,
@@ -86,6 +114,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         self.stopping = threading.Event()  # set when the server stops: open WatchJob streams end
         self.in_flight = InFlightLimit(jobs, settings.max_jobs_in_flight)
         self.cache = cache if cache is not None else ResultCache.from_settings(artifacts, settings)
+        self.recent_misses = RecentMisses()
         # Where the workers' toolchain fingerprint comes from (fxport/toolchain.py).
         self.toolchains = toolchains if toolchains is not None else _toolchain_source(settings)
 
@@ -121,11 +150,17 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         fingerprint = job_fingerprint(self.toolchains.get("cpu"), self.toolchains.get("gpu") if engine else None,
                                       engine=engine)
         key = self.cache.key_for(tenant, model_sha256, calibration_sha256, spec, fingerprint)
+        if key is not None and prove and self.recent_misses.take(key):
+            return Lookup(key, reason="CheckUpload missed it moments ago")
         try:
-            return self.cache.lookup(key, prove=prove)
+            METRICS.cache_entry_reads_total.inc()
+            found = self.cache.lookup(key, prove=prove)
         except StorageError as exc:  # a store hiccup costs the hit, not the submit
             log.warning("cache lookup failed: %s", exc)
             return Lookup(key, reason=f"lookup failed: {exc}")
+        if key is not None and not prove and not found.hit:  # CheckUpload: its SubmitJob comes next
+            self.recent_misses.add(key)
+        return found
 
     def _answer_from_cache(self, tenant: str, spec: JobSpec, header: pb.SubmitHeader, found: Lookup,
                            idempotency_key: str | None, context: grpc.ServicerContext) -> pb.Job:
@@ -190,7 +225,8 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         key = input_key(tenant, spooled.sha256)
         if spooled.stored is not None and spooled.stored.key == key:
             pass  # streamed to the store as it arrived, digest checked
-        elif self.artifacts.head(key) is None:  # content-addressed: the same bytes are stored once
+        elif spooled.size < SMALL_INPUT_BYTES or self.artifacts.head(key) is None:
+            # content-addressed: large bytes already there are not sent again
             self.artifacts.put_file(key, spooled.path, sha256=spooled.sha256)
         return InputRef(sha256=spooled.sha256, bytes=spooled.size, filename=spooled.filename, key=key)
 

@@ -183,3 +183,19 @@ def test_a_late_cancel_puts_back_the_entry_its_job_replaced(tmp_path):
     store.delete_object(first_arts[0].key)  # what it replaced lost its artifacts meanwhile
     cache.forget(mine)
     assert cache.read(k) is None
+
+
+def test_a_miss_from_checkupload_stands_once_and_not_for_long(monkeypatch):
+    from fxport.service import servicer
+
+    misses = servicer.RecentMisses(ttl_s=30.0, limit=2)
+    misses.add("k1")
+    assert misses.take("k1") and not misses.take("k1")  # taken once
+    misses.add("k2")
+    now = time.monotonic()
+    monkeypatch.setattr(servicer.time, "monotonic", lambda: now + 31.0)
+    assert not misses.take("k2")  # too old: the SubmitJob reads the entry itself
+    monkeypatch.undo()
+    for key in ("a", "b", "c"):
+        misses.add(key)
+    assert not misses.take("a") and misses.take("b") and misses.take("c")  # bounded: the oldest goes

@@ -43,13 +43,17 @@ class CacheApi:
     def client(self, tenant: str = TENANTS[0]) -> Client:
         return Client(self.api.address, token=self.tokens[tenant])
 
-    def uploaded_model_bytes(self) -> float:
-        """The API's count of model bytes that arrived (all tenants)."""
+    def metric(self, sample: str) -> float:
+        """One sample of the API's /metrics, e.g. 'fxport_upload_bytes_total{kind="model"}'."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
         for line in text.splitlines():
-            if line.startswith('fxport_upload_bytes_total{kind="model"}'):
+            if line.startswith(sample + " "):
                 return float(line.split()[-1])
-        raise AssertionError("fxport_upload_bytes_total{kind=\"model\"} not exported")
+        raise AssertionError(f"{sample} not exported")
+
+    def uploaded_model_bytes(self) -> float:
+        """The API's count of model bytes that arrived (all tenants)."""
+        return self.metric('fxport_upload_bytes_total{kind="model"}')
 
     def logs(self) -> str:
         from tests.fixtures.servers import tail
@@ -203,6 +207,21 @@ def test_upload_skipped_for_a_known_digest(cache_api, first_job, tiny_pt2, varia
         assert again.upload == {"sent_bytes": 0, "skipped": "model_stored"}
         again.cancel()
         assert cache_api.uploaded_model_bytes() == after
+
+
+def test_a_new_model_reads_the_cache_entry_once_not_in_both_calls(cache_api, first_job, variant_pt2):
+    """CheckUpload's miss stands for the SubmitJob that follows it: one store read per new job."""
+    with cache_api.client() as c:
+        reads = cache_api.metric("fxport_cache_entry_reads_total")
+        job = c.submit(variant_pt2, {**SPEC, "verify": {"samples": 3}})  # CheckUpload, then SubmitJob
+        assert not job.message.cache_hit
+        assert cache_api.metric("fxport_cache_entry_reads_total") == reads + 1
+        job.wait(timeout=180)
+        assert job.state == "SUCCEEDED", job.error
+        # The miss was taken once: the same submit again reads the entry and hits it.
+        again = c.submit(variant_pt2, {**SPEC, "verify": {"samples": 3}})
+        assert again.message.cache_hit
+        assert cache_api.metric("fxport_cache_entry_reads_total") == reads + 3  # CheckUpload + SubmitJob
 
 
 def test_no_cache_forces_a_run_whose_result_replaces_the_entry(cache_api, first_job, tiny_pt2):
