@@ -100,6 +100,10 @@ def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     return max(1, cpus)
 
 
+# The zygote kills a child this long after its wall-clock limit, should its worker not have
+# (a time limit or cancellation that struck while the child was being started).
+BACKSTOP_GRACE_S = 10.0
+
 # glibc malloc in the sandbox. A child is a fresh process: with glibc's defaults every
 # allocation over 128 KiB is its own mmap, page-faulted in and unmapped again at free, over and
 # over through export and verify (a long-lived process raises that threshold as it goes; the
@@ -127,8 +131,8 @@ class _ColdLaunch:
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "fxport.workers.sandbox_child", str(request_path)],
-                cwd=request_path.parent, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                cwd=request_path.parent, env={**env, "FXPORT_SANDBOX_PARENT": str(os.getpid())},
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         self.pid = self.proc.pid
 
@@ -210,7 +214,10 @@ class WarmSandbox:
                         box.append(-int(signal.SIGKILL))
                         event.set()
 
-    def launch(self, request_path: Path, env: dict[str, str], log_path: Path) -> _WarmLaunch:
+    def launch(self, request_path: Path, env: dict[str, str], log_path: Path,
+               deadline_s: float | None = None) -> _WarmLaunch:
+        """Fork a child for request_path. `deadline_s`: the zygote kills it past this many seconds,
+        a backstop for a parent that lost track of it (it normally stops it well before)."""
         with self._lock:
             proc = self._ensure()
             self._next += 1
@@ -219,7 +226,7 @@ class WarmSandbox:
             self._exited[job] = (threading.Event(), [])
             assert proc.stdin is not None
             proc.stdin.write(json.dumps({"job": job, "request": str(request_path), "log": str(log_path),
-                                         "env": env}) + "\n")
+                                         "env": env, "deadline_s": deadline_s}) + "\n")
             proc.stdin.flush()
         event, box = self._started[job]
         if not event.wait(30) or box[0] < 0:
@@ -268,12 +275,15 @@ def prestart() -> None:
         logging.getLogger(__name__).warning("could not prestart the warm sandbox", exc_info=True)
 
 
-def _launch(request_path: Path, env: dict[str, str], log_path: Path) -> _ColdLaunch | _WarmLaunch:
+def _launch(request_path: Path, env: dict[str, str], log_path: Path,
+            deadline_s: float | None = None) -> _ColdLaunch | _WarmLaunch:
     if os.environ.get("FXPORT_SANDBOX_MODE", "warm") == "warm":
         _warm = _warm_sandbox()
         try:
-            return _warm.launch(request_path, env, log_path)
-        except Exception:
+            return _warm.launch(request_path, env, log_path, deadline_s)
+        except (RuntimeError, OSError, ValueError):  # what a failed or dead zygote raises; a
+            # time limit or cancellation raised meanwhile (Celery's SoftTimeLimitExceeded is an
+            # Exception too) must end the job, not start a cold sandbox that no clock watches
             logging.getLogger(__name__).warning("warm sandbox unavailable; starting a cold one", exc_info=True)
     return _ColdLaunch(request_path, env, log_path)
 
@@ -381,7 +391,7 @@ def run_engine_job(
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         started = time.monotonic()
-        launch = _launch(work / "request.json", _scrubbed_env(work), log_path)
+        launch = _launch(work / "request.json", _scrubbed_env(work), log_path, timeout + BACKSTOP_GRACE_S)
         try:
             rc = _wait_or_cancel(launch, timeout, cancel_event)
         except _Cancelled:

@@ -82,4 +82,8 @@ def _timing_cache_paths(cache: dict[str, str] | None) -> dict[str, Path]:
 
 
 if __name__ == "__main__":
+    if os.environ.get("FXPORT_SANDBOX_PARENT"):  # a cold child: it dies with the worker that started it
+        from fxport.workers.sandbox_confine import die_with_parent
+
+        die_with_parent(int(os.environ["FXPORT_SANDBOX_PARENT"]))
     sys.exit(run_request(sys.argv[1]))

@@ -22,10 +22,12 @@ import errno
 import os
 import platform
 import resource
+import signal
 import struct
 from pathlib import Path
 from typing import Any, Iterable
 
+PR_SET_PDEATHSIG = 1
 PR_SET_SECCOMP = 22
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
@@ -57,6 +59,15 @@ SECCOMP_RET_ERRNO = 0x00050000
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process as soon as its parent ends. A worker killed at its hard time limit
+    (or by the OOM killer) must not leave a hung model running on its own: its warm children
+    die with the zygote, which ends when the worker does, and a cold child dies with the worker."""
+    _libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent ended before the signal was armed
+        os._exit(70)
 
 
 def _syscall(*args: Any) -> int:

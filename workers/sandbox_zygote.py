@@ -1,8 +1,10 @@
 """The warm sandbox parent: imports the ML stack once, then forks one child per job.
 
-Protocol (JSON lines): stdin `{"job", "request", "log", "env"}`; stdout `{"job", "started": pid}`
-then `{"job", "status": exit code or -signal}`. It is started with the scrubbed environment and
-never runs a torch op itself, so its children inherit no credentials and no busy thread pool.
+Protocol (JSON lines): stdin `{"job", "request", "log", "env", "deadline_s"}`; stdout
+`{"job", "started": pid}` then `{"job", "status": exit code or -signal}`. A child still running
+`deadline_s` after its fork is killed (a backstop: its worker normally stops it first).
+It is started with the scrubbed environment and never runs a torch op itself, so its children
+inherit no credentials and no busy thread pool.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import select
+import signal
 import sys
 import tempfile
 import threading
@@ -26,10 +30,13 @@ def _say(msg: dict) -> None:
         sys.stdout.flush()
 
 
-def _child(req: dict) -> None:
+def _child(req: dict, zygote: int) -> None:
     """In the forked child: never returns."""
     code = 70
     try:
+        from fxport.workers.sandbox_confine import die_with_parent
+
+        die_with_parent(zygote)
         os.setsid()
         log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -51,9 +58,30 @@ def _child(req: dict) -> None:
         os._exit(code)
 
 
-def _reap(job: int, pid: int) -> None:
+def _reap(job: int, pid: int, deadline_s: float | None) -> None:
+    if deadline_s:
+        _kill_past(pid, deadline_s)
     _, status = os.waitpid(pid, 0)
     _say({"job": job, "status": os.waitstatus_to_exitcode(status)})
+
+
+def _kill_past(pid: int, deadline_s: float) -> None:
+    """Kill the child's process group if it is still running `deadline_s` from now: the worker
+    stops a child at its wall-clock limit, but a time limit or a cancel that struck in the
+    worker while the child was being started leaves no one else to."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # already gone, or a kernel without pidfds (before 5.3)
+        return
+    try:
+        ready, _, _ = select.select([fd], [], [], deadline_s)
+        if not ready:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    finally:
+        os.close(fd)
 
 
 def warm_up() -> None:
@@ -129,6 +157,7 @@ def main() -> None:
 
     import fxport.workers.engine.pipeline  # noqa: F401
     import fxport.workers.sandbox_child  # noqa: F401
+    import fxport.workers.sandbox_confine  # noqa: F401
     from fxport.workers.engine.exporters import exported_program, fx_source, onnx as onnx_exp, torchscript  # noqa: F401
     from fxport.workers.engine.verify import runners  # noqa: F401
 
@@ -151,14 +180,17 @@ def main() -> None:
     # Threads the imports start (torch's and onnxruntime's own) stay idle; a fork copies only this one.
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     _say({"ready": True, "threads": threads})
+    # Until the worker closes our stdin (it ended, or closed the sandbox): then this process
+    # exits, and every child still running dies with it (sandbox_confine.die_with_parent).
     for line in sys.stdin:
         req = json.loads(line)
         sys.stdout.flush()
+        zygote = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(req)
+            _child(req, zygote)
         _say({"job": req["job"], "started": pid})
-        threading.Thread(target=_reap, args=(req["job"], pid), daemon=True).start()
+        threading.Thread(target=_reap, args=(req["job"], pid, req.get("deadline_s")), daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,87 @@ def test_a_hang_is_killed_at_the_wall_clock_limit(tmp_path: Path) -> None:
         run_engine_job(model, SPEC, tmp_path / "out", job_id="t-hang", timeout_s=8)
     assert _failures("timeout") == before + 1
     assert "8 s wall-clock limit during load" in str(info.value)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait(check, timeout: float, what: str):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_a_hung_sandbox_dies_with_the_worker_that_started_it(tmp_path: Path, mode: str) -> None:
+    """A worker process killed outright (Celery's hard time limit, the OOM killer) leaves no
+    sandbox behind: the hung model's process goes with it."""
+    from tests.fixtures.servers import sandbox_pids
+
+    model = hostile_package(tmp_path, f"hang_orphan_{mode}", """
+        import time
+        time.sleep(3600)
+    """)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from fxport.spec import parse_spec; "
+         "from fxport.workers.sandbox import run_engine_job; "
+         "run_engine_job(Path(sys.argv[1]), parse_spec({'inputs': [{'name': 'x', 'shape': [2, 4]}], "
+         "'targets': ['onnx']}), Path(sys.argv[2]), job_id='t-orphan', timeout_s=600)", str(model), str(tmp_path / "out")],
+        env={**os.environ, "FXPORT_SANDBOX_MODE": mode}, cwd=Path(__file__).resolve().parents[2])
+    try:
+        (box,) = _wait(lambda: sandbox_pids(worker.pid, "t-orphan"), 120, "the sandbox to start")
+        time.sleep(1.0)  # inside the model's sleep by now
+        assert _running(box)
+    finally:
+        worker.kill()
+        worker.wait()
+    _wait(lambda: not _running(box), 15, "the sandbox to die with its worker")
+
+
+def test_the_zygote_kills_a_child_its_worker_lost_track_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zygote's backstop: a child still running its wall-clock limit plus BACKSTOP_GRACE_S
+    after the fork is killed, even if the worker never does (here the worker waits 600 s)."""
+    from fxport.workers import sandbox
+
+    monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
+    monkeypatch.setattr(sandbox, "BACKSTOP_GRACE_S", 4.0 - 600)  # the backstop strikes at 4 s
+    model = hostile_package(tmp_path, "hang_backstop", """
+        import time
+        time.sleep(3600)
+    """)
+    started = time.monotonic()
+    with pytest.raises(FxportError) as info:
+        run_engine_job(model, SPEC, tmp_path / "out", job_id="t-backstop", timeout_s=600)
+    assert time.monotonic() - started < 60
+    assert "SIGKILL" in str(info.value) or "killed" in str(info.value), info.value
+
+
+def test_a_time_limit_while_the_zygote_starts_is_not_swallowed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Celery raises its soft time limit wherever the task is, e.g. waiting for the zygote to come
+    up: that must end the job, not fall back to a cold sandbox that no clock watches."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    from fxport.workers import sandbox
+
+    class Starting:
+        def launch(self, *args: object) -> None:
+            raise SoftTimeLimitExceeded()
+
+    cold: list[object] = []
+    monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
+    monkeypatch.setattr(sandbox, "_warm_sandbox", lambda: Starting())
+    monkeypatch.setattr(sandbox, "_ColdLaunch", lambda *args: cold.append(args))
+    with pytest.raises(SoftTimeLimitExceeded):
+        sandbox._launch(tmp_path / "request.json", {}, tmp_path / "log", 10.0)
+    assert cold == []
 
 
 @pytest.mark.parametrize("mode", ["warm", "cold"])
