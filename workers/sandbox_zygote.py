@@ -74,8 +74,9 @@ def _kill_past(pid: int, deadline_s: float) -> None:
     except OSError:  # already gone, or a kernel without pidfds (before 5.3)
         return
     try:
-        ready, _, _ = select.select([fd], [], [], deadline_s)
-        if not ready:
+        exited = select.poll()  # readable once the child has exited
+        exited.register(fd, select.POLLIN)
+        if not exited.poll(deadline_s * 1000):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
