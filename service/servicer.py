@@ -150,7 +150,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         fingerprint = job_fingerprint(self.toolchains.get("cpu"), self.toolchains.get("gpu") if engine else None,
                                       engine=engine)
         key = self.cache.key_for(tenant, model_sha256, calibration_sha256, spec, fingerprint)
-        if key is not None and prove and self.recent_misses.take(key):
+        if key is None:
+            return Lookup(None, reason="toolchain unknown")
+        if prove and self.recent_misses.take(key):
             return Lookup(key, reason="CheckUpload missed it moments ago")
         try:
             METRICS.cache_entry_reads_total.inc()
@@ -158,7 +160,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         except StorageError as exc:  # a store hiccup costs the hit, not the submit
             log.warning("cache lookup failed: %s", exc)
             return Lookup(key, reason=f"lookup failed: {exc}")
-        if key is not None and not prove and not found.hit:  # CheckUpload: its SubmitJob comes next
+        if not prove and not found.hit:  # CheckUpload: its SubmitJob comes next
             self.recent_misses.add(key)
         return found
 

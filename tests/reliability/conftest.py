@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 
 from tests.fixtures.servers import (
-    ApiServer, ManagedProcess, RedisServer, S3Server, distributed_env, kill_tree, start_api, start_redis,
-    start_seaweed, start_worker,
+    ApiServer, ManagedProcess, RedisServer, S3Server, distributed_env, kill_tree, process_state, start_api,
+    start_redis, start_seaweed, start_worker, wait_until,
 )
 
 FAULT_ENV = {
@@ -282,18 +282,11 @@ class Frozen:
         except ProcessLookupError:
             return False
         # A stopped group whose members all exited leaves only zombies; treat as gone.
-        return any(_state(pid) not in ("Z", "X", None) for pid in _group_members(self.pgid))
+        return any(process_state(pid) not in ("Z", "X", None) for pid in _group_members(self.pgid))
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, signal.SIGKILL)
-
-
-def _state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -330,16 +323,6 @@ def freeze_sandbox(stack: FaultStack, job_id: str, timeout: float = 30) -> Froze
     assert pgid == pid, "the sandbox is expected to lead its own process group (it calls setsid)"
     os.killpg(pgid, signal.SIGSTOP)
     return Frozen(job_id, pgid)
-
-
-def wait_until(check, timeout: float, what: str, every: float = 0.1):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def wait_terminal(stack: FaultStack, job_ids: list[str], timeout: float) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from fxport.errors import VerificationFailed
 from fxport.jobs import InputRef, JobRecord, JobState, SqliteJobStore, new_job_id
 from fxport.spec import parse_spec
 from fxport.storage import FileStore, input_key, job_prefix
+from fxport.workers.engine.pipeline import WRITING_DIR
 from fxport.workers.jobs import WorkerContext, execute_job, execute_stage, kill_sandboxes_of
 
 MODEL = b"pretend this is a .pt2"
@@ -188,16 +189,16 @@ def _staging_engine(ctx, job_id, seen: dict, rewrite_onnx: bool = False, fail: b
     then waits until the worker has offered both to clients before finishing."""
 
     def write_whole(out_dir: Path, name: str, data: bytes) -> None:  # as the engine's _export_one does
-        (out_dir / ".writing").mkdir(exist_ok=True)
-        (out_dir / ".writing" / name).write_bytes(data)
-        (out_dir / ".writing" / name).replace(out_dir / name)
+        (out_dir / WRITING_DIR).mkdir(exist_ok=True)
+        (out_dir / WRITING_DIR / name).write_bytes(data)
+        (out_dir / WRITING_DIR / name).replace(out_dir / name)
 
     def engine(model_path, spec, out_dir, *, on_progress, **kw):
         on_progress({"stage": "export", "progress": 0.0, "message": ""})
         write_whole(out_dir, "model.ts", b"torchscript bytes")
         on_progress({"stage": "export", "progress": 0.5, "message": "onnx"})
         write_whole(out_dir, "model.onnx", b"onnx bytes, first write")
-        (out_dir / ".writing").rmdir()
+        (out_dir / WRITING_DIR).rmdir()
         on_progress({"stage": "verify", "progress": 0.0, "message": ""})
         _wait_for(lambda: len(ctx.jobs.get(job_id).staged) == 2)
         seen["staged"] = {a.name: a for a in ctx.jobs.get(job_id).staged}
@@ -240,8 +241,8 @@ def test_early_upload_passes_over_hidden_folders_and_outlives_a_failed_scan(ctx,
     from fxport.workers.artifact_upload import EarlyUpload
 
     out = tmp_path / "out"
-    (out / ".writing").mkdir(parents=True)
-    (out / ".writing" / "model.onnx").write_bytes(b"half an onnx")  # the engine is still writing it
+    (out / WRITING_DIR).mkdir(parents=True)
+    (out / WRITING_DIR / "model.onnx").write_bytes(b"half an onnx")  # the engine is still writing it
     announced: list[str] = []
     early = EarlyUpload(ctx.artifacts, "default", new_job_id(), out, tmp_path / "spool",
                         on_stored=lambda name, stored: announced.append(name))

@@ -17,6 +17,7 @@ import pytest
 from fxport.errors import FxportError, ResourceLimitExceeded
 from fxport.spec import parse_spec
 from fxport.workers.sandbox import run_engine_job
+from tests.fixtures.servers import process_state, sandbox_pids, wait_until
 
 SPEC = parse_spec({"inputs": [{"name": "x", "shape": [2, 4]}], "targets": ["onnx"], "passes": []})
 
@@ -121,28 +122,13 @@ def test_a_hang_is_killed_at_the_wall_clock_limit(tmp_path: Path) -> None:
 
 
 def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-def _wait(check, timeout: float, what: str):  # noqa: ANN001, ANN202
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return process_state(pid) not in ("Z", "X", None)
 
 
 @pytest.mark.parametrize("mode", ["warm", "cold"])
 def test_a_hung_sandbox_dies_with_the_worker_that_started_it(tmp_path: Path, mode: str) -> None:
     """A worker process killed outright (Celery's hard time limit, the OOM killer) leaves no
     sandbox behind: the hung model's process goes with it."""
-    from tests.fixtures.servers import sandbox_pids
-
     model = hostile_package(tmp_path, f"hang_orphan_{mode}", """
         import time
         time.sleep(3600)
@@ -154,13 +140,13 @@ def test_a_hung_sandbox_dies_with_the_worker_that_started_it(tmp_path: Path, mod
          "'targets': ['onnx']}), Path(sys.argv[2]), job_id='t-orphan', timeout_s=600)", str(model), str(tmp_path / "out")],
         env={**os.environ, "FXPORT_SANDBOX_MODE": mode}, cwd=Path(__file__).resolve().parents[2])
     try:
-        (box,) = _wait(lambda: sandbox_pids(worker.pid, "t-orphan"), 120, "the sandbox to start")
+        (box,) = wait_until(lambda: sandbox_pids(worker.pid, "t-orphan"), 120, "the sandbox to start")
         time.sleep(1.0)  # inside the model's sleep by now
         assert _running(box)
     finally:
         worker.kill()
         worker.wait()
-    _wait(lambda: not _running(box), 15, "the sandbox to die with its worker")
+    wait_until(lambda: not _running(box), 15, "the sandbox to die with its worker")
 
 
 def test_the_zygote_kills_a_child_its_worker_lost_track_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

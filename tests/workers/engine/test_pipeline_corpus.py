@@ -14,7 +14,7 @@ import pytest
 from fxport.errors import ConversionFailed
 from fxport.spec import parse_spec
 from fxport.workers.engine.exporters import file_sha256
-from fxport.workers.engine.pipeline import convert
+from fxport.workers.engine.pipeline import WRITING_DIR, convert
 from tests.models import CORPUS
 from tests.workers.engine.conftest import save_package, save_pt2, spec_dict
 
@@ -129,8 +129,8 @@ def test_an_artifact_appears_under_its_name_only_once_it_is_whole(tmp_path: Path
     case = CORPUS["cnn_bn"]
     manifest = convert(save_pt2(case, tmp_path / "model.pt2"), parse_spec(spec_dict(case, targets=("torchscript", "onnx"))), out)
     assert [name for name, _ in seen] == ["model.ts", "model.onnx"]
-    assert "model.ts" not in seen[0][1] and seen[1][1] == [".writing", "model.ts"]  # the earlier one is in place
-    assert not (out / ".writing").exists()  # nothing left over
+    assert "model.ts" not in seen[0][1] and seen[1][1] == [WRITING_DIR, "model.ts"]  # the earlier one is in place
+    assert not (out / WRITING_DIR).exists()  # nothing left over
     _check_manifest(manifest, out, "cnn_bn", ("torchscript", "onnx"))
 
 
@@ -149,7 +149,7 @@ def test_fx_source_runs_from_wherever_it_is_copied(tmp_path: Path) -> None:
     shutil.copytree(tmp_path / "out" / "fx_source", moved)
     shutil.rmtree(tmp_path / "out")  # the original location is gone, as on the user's machine
     source = (moved / "module.py").read_text()
-    assert str(tmp_path / "out") not in source and ".writing" not in source
+    assert str(tmp_path / "out") not in source and WRITING_DIR not in source
     spec = importlib.util.spec_from_file_location("moved_fx_source", moved / "module.py")
     module = importlib.util.module_from_spec(spec)
     sys.dont_write_bytecode = True
