@@ -6,7 +6,8 @@ Why each reliability setting (ENVIRONMENT.md, "Redis + Celery 5.7"; deploy/READM
   killed pool child's job is requeued at once; a killed worker's after the visibility timeout.
 - a short `visibility_timeout` (Settings.visibility_timeout_s) with `unacked_restore_interval`
   and `unacked_restore_throttle=1`: a dead worker's job is back on the queue within about
-  visibility_timeout_s + unacked_restore_interval_s. Kombu would hand a still-running job
+  visibility_timeout_s + unacked_restore_interval_s (the sweep's lock expires after one
+  interval, so a worker killed mid-sweep cannot hold it back). Kombu would hand a still-running job
   to a second worker after that timeout, so a running job keeps its message fresh
   (`MessageVisibility`, called by its lease heartbeat) and holds a job lease; the timeout
   no longer has to exceed the hard time limit.
@@ -65,6 +66,12 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
             "visibility_timeout": settings.visibility_timeout_s,
             "unacked_restore_interval": settings.unacked_restore_interval_s,
             "unacked_restore_throttle": 1,
+            # The sweep runs under a Redis lock that kombu sets to expire after 300 s. A worker
+            # killed inside its sweep (a few ms of every interval) leaves it held, and no worker
+            # restores anything until it expires. The lock only saves duplicate scans (each
+            # restore is a WATCH transaction, so a message is never restored twice), so let a
+            # dead sweeper cost one interval at most.
+            "unacked_mutex_expire": settings.unacked_restore_interval_s,
         },
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
