@@ -25,6 +25,7 @@ import html
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -471,9 +472,19 @@ def _graph_block(prefix: str, g: dict[str, Any], layout: DotLayout) -> str:
     return diagram + table
 
 
+def find_dot(path: str | None = None) -> str:
+    """Graphviz's `dot` on `path` (default: PATH), or FileNotFoundError. Looked up before a
+    layout is started: without Graphviz a report then costs a few stat calls instead of a fork
+    of this process per graph (a worker forks its whole address space for a confined `dot`)."""
+    found = shutil.which("dot", path=path)
+    if found is None:
+        raise FileNotFoundError("Graphviz dot is not on PATH")
+    return found
+
+
 def run_dot(source: bytes) -> bytes:
     """`dot -Tsvg` as a plain subprocess (a local `fxport convert` or `fxport report`)."""
-    return subprocess.run(["dot", "-Tsvg"], input=source, capture_output=True, check=True,
+    return subprocess.run([find_dot(), "-Tsvg"], input=source, capture_output=True, check=True,
                           timeout=DOT_TIMEOUT_S).stdout
 
 

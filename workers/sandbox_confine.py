@@ -247,10 +247,12 @@ def confined_dot(source: bytes) -> bytes:
     import subprocess
     import tempfile
 
-    from fxport.report import DOT_TIMEOUT_S
+    from fxport.report import DOT_TIMEOUT_S, find_dot
 
+    search = os.environ.get("PATH", "/usr/bin:/bin")
+    dot = find_dot(search)  # before the fork: none at all without Graphviz
     with tempfile.TemporaryDirectory(prefix="fxport-dot-") as cwd:
-        return subprocess.run(["dot", "-Tsvg"], input=source, capture_output=True, check=True, cwd=cwd,
-                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
+        return subprocess.run([dot, "-Tsvg"], input=source, capture_output=True, check=True, cwd=cwd,
+                              env={"PATH": search, "LC_ALL": "C.UTF-8"},
                               preexec_fn=_confine_dot if platform.system() == "Linux" else None,
                               timeout=DOT_TIMEOUT_S).stdout

@@ -3,6 +3,7 @@ parent draws the report, running Graphviz's `dot` confined (workers/sandbox_conf
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -78,3 +79,27 @@ def test_links_the_sandbox_left_in_its_output_folder_are_not_followed(tmp_path: 
     (out / "manifest.json").symlink_to(victim)
     draw_report(out)
     assert not (out / "report.html").exists() and victim.read_text() == "keep me"
+
+
+FORKS: list[int] = []
+os.register_at_fork(before=lambda: FORKS.append(os.getpid()))  # every fork of this process, subprocess's too
+
+
+def test_a_worker_without_graphviz_forks_nothing_for_the_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  manifest: dict):
+    """No `dot` on PATH: the report says so, and drawing it starts no process. Each confined
+    `dot` is a fork of the whole worker (preexec_fn rules out vfork), which on a worker without
+    Graphviz bought only a failed exec, twice per job."""
+    import json
+
+    from fxport.workers.sandbox import draw_report
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(report, "_layouts", type(report._layouts)())  # nothing laid out earlier
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    before = len(FORKS)
+    draw_report(out)
+    assert "Graphviz <code>dot</code> is not installed" in (out / "report.html").read_text()
+    assert len(FORKS) == before
