@@ -114,6 +114,11 @@ BACKSTOP_GRACE_S = 10.0
 SANDBOX_MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824:"
                            "glibc.malloc.top_pad=67108864")
 
+# The zygote moves its memory onto 2 MiB pages once warm (sandbox_zygote.collapse_to_huge_pages):
+# a fork then copies, and a child's exit tears down, a few hundred page-table entries instead
+# of ~85k. A tiny job's fork, run and exit: see docs/benchmarks.md, "Sandbox overhead".
+SANDBOX_HUGE_PAGES = True
+
 
 def _scrubbed_env(work: Path | None = None) -> dict[str, str]:
     env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
@@ -180,12 +185,14 @@ class WarmSandbox:
         self._next = 0
         self._started: dict[int, tuple[threading.Event, list[int]]] = {}
         self._exited: dict[int, tuple[threading.Event, list[int]]] = {}
+        self.ready: dict[str, Any] = {}  # the zygote's start-up report: its threads, its huge pages
 
     def _ensure(self) -> subprocess.Popen[str]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "fxport.workers.sandbox_zygote"], env=_scrubbed_env(), cwd="/",
+            [sys.executable, "-m", "fxport.workers.sandbox_zygote"], cwd="/",
+            env={**_scrubbed_env(), "FXPORT_SANDBOX_HUGE_PAGES": "1" if SANDBOX_HUGE_PAGES else "0"},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
             start_new_session=True,
         )
@@ -194,6 +201,11 @@ class WarmSandbox:
             self._proc.kill()
             self._proc = None
             raise RuntimeError("the warm sandbox did not start")
+        self.ready = json.loads(ready)
+        huge = self.ready.get("huge_pages") or {}
+        logging.getLogger(__name__).info(
+            "warm sandbox ready (pid %d): %s MiB of its memory moved to huge pages in %s s, %s range(s) refused",
+            self._proc.pid, huge.get("collapsed_mib", 0), huge.get("seconds", 0), huge.get("refused", 0))
         threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
         return self._proc
 

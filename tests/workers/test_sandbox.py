@@ -197,6 +197,42 @@ def test_a_good_model_still_converts(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert (tmp_path / "out" / "model.onnx").is_file()
 
 
+def _memory_kib(pid: int) -> dict[str, int]:
+    rows = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+    return {k: int(v.split()[0]) for k, v in (row.split(":", 1) for row in rows)}
+
+
+@pytest.mark.parametrize("huge", [True, False], ids=["huge pages", "small pages"])
+def test_the_zygote_forks_from_huge_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, huge: bool) -> None:
+    """Warm, the zygote moves its heap (~0.3 GB: the imported ML stack) onto 2 MiB pages, so a
+    fork copies, and a child's exit tears down, a few hundred page-table entries instead of
+    ~85k. Its children convert as before."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if huge and (not thp.exists() or "[never]" in thp.read_text()):
+        pytest.skip("transparent huge pages are off on this machine ([never]): the zygote keeps small pages")
+    from fxport.workers import sandbox
+
+    monkeypatch.setattr(sandbox, "SANDBOX_HUGE_PAGES", huge)
+    zygote = sandbox.WarmSandbox()
+    try:
+        with zygote._lock:
+            proc = zygote._ensure()
+        memory = _memory_kib(proc.pid)
+        on_huge_pages = memory["AnonHugePages"] / memory["Anonymous"]
+        if huge:
+            assert on_huge_pages > 0.6, memory
+            assert zygote.ready["huge_pages"]["collapsed_mib"] > 100, zygote.ready
+        else:
+            assert on_huge_pages < 0.2, memory
+        monkeypatch.setattr(sandbox, "_warm", zygote)
+        monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
+        manifest = run_engine_job(hostile_package(tmp_path, "benign_huge", "pass"), SPEC, tmp_path / "out",
+                                  job_id="t-huge")
+        assert manifest["verification"][0]["passed"]
+    finally:
+        zygote.close()
+
+
 def test_warm_children_use_all_threads_and_do_not_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a multithreaded conv net, twice through the same zygote: the fork-after-warm-up must not deadlock
     monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
