@@ -157,17 +157,53 @@ def cpu_s(pid: int) -> float:
     return total / tick
 
 
-def seaweed_write_cost(s3: object, work: Path, mib: int = 45, n: int = 3) -> float:
-    """CPU milliseconds SeaweedFS spends per MiB written, over `n` PUTs of `mib` MiB."""
+def seaweed_write_cost(s3: object, debug_url: str, work: Path, mib: int = 45, seconds: int = 3) -> dict[str, Any]:
+    """SeaweedFS's CPU per MiB written (PUTs of `mib` MiB for `seconds`), and where it goes:
+    a CPU profile of the server over the same PUTs (its -debug pprof endpoint)."""
+    import threading
+
+    from bench._pprof import fetch
     from fxport.storage import S3Store
 
     blob = work / "blob"
     blob.write_bytes(os.urandom(mib << 20))
     store = S3Store(s3.bucket, "weed-cost", endpoint_url=s3.endpoint)  # type: ignore[attr-defined]
-    before = cpu_s(s3.process.pid)  # type: ignore[attr-defined]
-    for i in range(n):
-        store.put_file(f"blob-{i}", blob)
-    return (cpu_s(s3.process.pid) - before) * 1000 / (n * mib)  # type: ignore[attr-defined]
+    store.put_file("blob-warm", blob)
+    profiled: dict[str, Any] = {}
+    profiler = threading.Thread(target=lambda: profiled.update(p=fetch(debug_url, seconds)))
+    before, n = cpu_s(s3.process.pid), 0  # type: ignore[attr-defined]
+    profiler.start()
+    time.sleep(0.2)
+    while profiler.is_alive():
+        store.put_file(f"blob-{n}", blob)
+        n += 1
+    cost = (cpu_s(s3.process.pid) - before) * 1000 / (n * mib)  # type: ignore[attr-defined]
+    prof = profiled["p"]
+    return {"ms_per_mib": cost, "md5": prof.share("crypto/md5."), "md5_by": prof.sites("crypto/md5."),
+            "pwrite": prof.share("os.(*File).pwrite", "os.(*File).write"),
+            "memory": prof.share("runtime.memclrNoHeapPointers", "runtime.memmove", "runtime.gcBgMarkWorker",
+                                 "runtime.mallocgc")}
+
+
+def s3_floor(s3: object, model: Path, n: int = 3) -> dict[str, float]:
+    """The model's own trip through the object store with nothing else running: one PUT (as
+    the API stores it) and one GET (as the worker fetches it), medians of `n`. No service on
+    this store can take less than this on top of the engine."""
+    from fxport.digest import sha256_file
+    from fxport.storage import S3Store
+
+    store = S3Store(s3.bucket, "floor", endpoint_url=s3.endpoint)  # type: ignore[attr-defined]
+    digest = sha256_file(model)[0]
+    puts, gets = [], []
+    with tempfile.TemporaryDirectory(prefix="fxport-floor-") as tmp:
+        for i in range(n):
+            t0 = time.perf_counter()
+            store.put_file(f"model-{i}", model, sha256=digest)
+            t1 = time.perf_counter()
+            store.get(f"model-{i}", Path(tmp) / "model")
+            puts.append(t1 - t0)
+            gets.append(time.perf_counter() - t1)
+    return {"put": statistics.median(puts), "get": statistics.median(gets)}
 
 
 # -- 1. overhead ------------------------------------------------------------------------
@@ -370,7 +406,9 @@ def main() -> None:
 
         redis = start_redis(work / "redis")
         running.callback(redis.stop)
-        s3 = start_seaweed(work / "seaweed")
+        # -debug: its pprof endpoint (on -ip.bind, loopback), for a CPU profile of its PUTs.
+        debug_port = free_ports(1)[0]
+        s3 = start_seaweed(work / "seaweed", extra_args=("-debug", f"-debug.port={debug_port}"))
         running.callback(s3.stop)
         os.environ.update(s3.env())
         env = {"FXPORT_SANDBOX_THREADS": str(args.threads), "FXPORT_CACHE_ENABLED": "true"}
@@ -435,7 +473,8 @@ def main() -> None:
         contention = core_contention()
         contention["wait_in"] = statistics.median(w for w, _ in waits)
         contention["wait_stack"] = statistics.median(w for _, w in waits)
-        contention["weed_ms_per_mib"] = seaweed_write_cost(s3, work)
+        weed = seaweed_write_cost(s3, f"http://127.0.0.1:{debug_port}", work)
+        floor = s3_floor(s3, resnets[0])
 
         # 2. Cache hits on the last model (its result is cached now).
         print("cache hits …", flush=True)
@@ -475,14 +514,15 @@ def main() -> None:
 
         model_mib = hit_model.stat().st_size / (1 << 20)
     report(args, inproc, boxed, stack_runs, engine_stages, hits, hits_rehash, uploaded_on_hits, hash_t, proofs,
-           tp, tiny_costs, model_mib, late_runs, fs_runs, cpu_runs, contention)
+           tp, tiny_costs, model_mib, late_runs, fs_runs, cpu_runs, contention, weed, floor)
 
 
 def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[str, Any]],
            engine_stages: list[dict[str, float]], hits: list[float], hits_rehash: list[float], uploaded: float,
            hash_t: list[float], proofs: list[dict[str, float]], tp: dict[str, Any], tiny: dict[str, float],
            model_mib: float, late_runs: list[dict[str, Any]], fs_runs: list[dict[str, Any]],
-           cpu_runs: list[tuple[float, dict[str, float]]], contention: dict[str, float]) -> None:
+           cpu_runs: list[tuple[float, dict[str, float]]], contention: dict[str, float], weed: dict[str, Any],
+           floor: dict[str, float]) -> None:
     med = statistics.median
     full = [r["total"] for r in runs]
     per_run = [r["total"] / t for r, t in zip(runs, inproc)]
@@ -528,6 +568,10 @@ def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[s
     sandbox_extra = med(boxed) - med(inproc)
     engine_slower = sum(stage(s) for s in ("capture", "passes", "export", "verify")) - sum(
         in_eng[s] for s in ("capture", "passes", "export", "verify"))
+    floor_s = floor["put"] + floor["get"]
+    floor_ratio = 1 + floor_s / med(inproc)
+    md5_sites = [k for k, v in weed["md5_by"].items() if v >= 0.02]
+    md5_list = "; ".join(f"`{k}` {weed['md5_by'][k] * 100:.0f}%" for k in md5_sites)
     hits_p50, hits_p99 = med(hits) * 1000, pct(hits, 99) * 1000
     rh_p50, rh_p99 = med(hits_rehash) * 1000, pct(hits_rehash, 99) * 1000
     proof = min(proofs, key=lambda p: p["s"])
@@ -574,6 +618,17 @@ CPU time per job (medians of the same runs), of every process involved:
 | **full stack, all** | **{sum(cpu_by.values()):.2f}** |
 
 Why the ratio is {ratio:.2f}× and not 1.00×: the stack adds {extra:.2f} s to {med(inproc):.2f} s.
+
+**The store's own floor is {floor_ratio:.2f}×.** Timed alone in this run, with nothing else running, the
+model's trip through SeaweedFS — one PUT as the API stores it ({floor["put"]:.2f} s) and one GET as the
+worker fetches it ({floor["get"]:.2f} s) — takes {floor_s:.2f} s: on this store no service, however thin, can
+convert a new model in less than {floor_ratio:.2f}× the engine's time. In the stack, fxport's serial steps
+(below) took {serial:.2f} s in all. SeaweedFS is CPU-bound on writes: {weed["ms_per_mib"]:.1f} ms of CPU per
+MiB written in this run. A CPU profile of it over those PUTs (its `-debug` pprof endpoint) puts
+{weed["md5"] * 100:.0f}% of that in MD5: {len(md5_sites)} passes over the data, each a few percent or more of
+its CPU — {md5_list} (SeaweedFS's ETags and chunk checksums). {weed["pwrite"] * 100:.0f}% is writing the volume file and {weed["memory"] * 100:.0f}% zeroing, copying and
+collecting memory. None of that is a setting of SeaweedFS or of fxport's requests to it.
+
 {m("submit"):.2f} s is the submit: the {model_mib:.0f} MiB model crosses gRPC and goes into SeaweedFS S3,
 streamed on while it arrives ({model_mib / m("submit"):.0f} MiB/s end to end, the client's sha256
 included). {stage("load") - in_eng["load"]:.2f} s is the worker fetching it back from S3 and starting the
@@ -589,9 +644,8 @@ core: its thread was runnable but not running for
 {contention["wait_stack"]:.2f} s per job in the stack (the runs downloading after the job) against {contention["wait_in"]:.2f} s in-process
 (`/proc/<pid>/schedstat`),
 because the stack does {sum(cpu_by.values()) - cpu_in:.2f} s of CPU work per job besides the conversion,
-{cpu_by["SeaweedFS S3"]:.2f} s of it in SeaweedFS (it spent {contention["weed_ms_per_mib"]:.1f} ms of CPU per MiB written
-in this run — a CPU profile of it shows four MD5 passes and buffer growth — and a job writes the
-model and two artifacts, ~136 MiB, and reads them back). Overlapping
+{cpu_by["SeaweedFS S3"]:.2f} s of it in SeaweedFS (a job writes the model and two artifacts, ~136 MiB,
+at the cost per MiB above, and reads them back). Overlapping
 that work with the engine (the artifacts' upload during export and verify, their download during
 verify) hides its wall time but not its cost to the engine. Single-threaded ResNet exports also vary
 on their own (in-process, the export stage ranged {export_lo:.2f}–{export_hi:.2f} s over these runs). The
