@@ -627,7 +627,7 @@ convert a new model in less than {floor_ratio:.2f}× the engine's time. In the s
 MiB written in this run. A CPU profile of it over those PUTs (its `-debug` pprof endpoint) puts
 {weed["md5"] * 100:.0f}% of that in MD5: {len(md5_sites)} passes over the data, each a few percent or more of
 its CPU — {md5_list} (SeaweedFS's ETags and chunk checksums). {weed["pwrite"] * 100:.0f}% is writing the volume file and {weed["memory"] * 100:.0f}% zeroing, copying and
-collecting memory. None of that is a setting of SeaweedFS or of fxport's requests to it.
+collecting memory. `weed mini -h` lists no option that turns the hashing off.
 
 {m("submit"):.2f} s is the submit: the {model_mib:.0f} MiB model crosses gRPC and goes into SeaweedFS S3,
 streamed on while it arrives ({model_mib / m("submit"):.0f} MiB/s end to end, the client's sha256
