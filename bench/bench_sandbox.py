@@ -37,6 +37,24 @@ def children_usage(pid: int) -> tuple[float, float, int]:
     return int(fields[13]) / tick, int(fields[14]) / tick, int(fields[8])
 
 
+def start_zygote(*, huge_pages: bool = True, malloc_tunables: str | None = None):  # noqa: ANN201 - a WarmSandbox
+    """A warm sandbox of its own, started now with these settings (the module's are read when
+    a zygote starts, then put back)."""
+    from fxport.workers import sandbox
+
+    saved = sandbox.SANDBOX_HUGE_PAGES, sandbox.SANDBOX_MALLOC_TUNABLES
+    sandbox.SANDBOX_HUGE_PAGES = huge_pages
+    if malloc_tunables is not None:
+        sandbox.SANDBOX_MALLOC_TUNABLES = malloc_tunables
+    try:
+        zygote = sandbox.WarmSandbox()
+        with zygote._lock:
+            zygote._ensure()
+    finally:
+        sandbox.SANDBOX_HUGE_PAGES, sandbox.SANDBOX_MALLOC_TUNABLES = saved
+    return zygote
+
+
 def malloc_settings_side_by_side(work: Path) -> list[str]:
     """ResNet-18 in-process, and in warm sandboxes with glibc's malloc defaults and with fxport's."""
     import torch
@@ -49,15 +67,8 @@ def malloc_settings_side_by_side(work: Path) -> list[str]:
     os.environ["FXPORT_SANDBOX_MODE"], os.environ["FXPORT_SANDBOX_THREADS"] = "warm", "1"
     spec = parse_spec(RESNET_SPEC)
     models = [save_variant("resnet18", work / f"resnet-{i}.pt2", 300 + i, 8) for i in range(RESNET_RUNS + 1)]
-    ours = sandbox.SANDBOX_MALLOC_TUNABLES
-    zygotes = {}
-    for label, tunables in (("warm sandbox, glibc malloc defaults", ""), ("warm sandbox, fxport's malloc settings", ours)):
-        sandbox.SANDBOX_MALLOC_TUNABLES = tunables  # read when the zygote starts
-        zygote = sandbox.WarmSandbox()
-        with zygote._lock:
-            zygote._ensure()
-        zygotes[label] = zygote
-    sandbox.SANDBOX_MALLOC_TUNABLES = ours
+    zygotes = {"warm sandbox, glibc malloc defaults": start_zygote(malloc_tunables=""),
+               "warm sandbox, fxport's malloc settings": start_zygote()}
     rows: dict[str, list[tuple[float, float, float]]] = {"in-process engine": [], **{k: [] for k in zygotes}}
     try:
         for i, model in enumerate(models):  # run 0 warms every path: not counted
@@ -106,17 +117,6 @@ def own_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_zygote(huge_pages: bool):  # noqa: ANN201 - a WarmSandbox
-    from fxport.workers import sandbox
-
-    sandbox.SANDBOX_HUGE_PAGES = huge_pages  # read when the zygote starts
-    zygote = sandbox.WarmSandbox()
-    with zygote._lock:
-        zygote._ensure()
-    sandbox.SANDBOX_HUGE_PAGES = True
-    return zygote
-
-
 def main() -> None:
     from fxport.workers import sandbox
     from fxport.workers.engine.pipeline import convert
@@ -132,7 +132,7 @@ def main() -> None:
         results: dict[str, list[float]] = {"in-process engine (no sandbox)": [], **{k: [] for k in warm_modes},
                                            "cold sandbox (new interpreter)": []}
         cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in warm_modes}
-        zygotes = {k: start_zygote(huge) for k, huge in warm_modes.items()}
+        zygotes = {k: start_zygote(huge_pages=huge) for k, huge in warm_modes.items()}
         try:
             os.environ["FXPORT_SANDBOX_MODE"] = "warm"
             for label, zygote in zygotes.items():  # each zygote's first fork: not counted

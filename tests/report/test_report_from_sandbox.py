@@ -13,6 +13,9 @@ from fxport import report
 from fxport.spec import parse_spec
 from tests.report.conftest import ReportIndex
 
+FORKS: list[int] = []
+os.register_at_fork(before=lambda: FORKS.append(os.getpid()))  # every fork of this process, subprocess's too
+
 
 def test_a_sandboxed_job_report_has_both_graph_drawings(tiny_pt2: Path, tmp_path: Path, dot_binary: str):
     from fxport.workers.sandbox import run_engine_job
@@ -79,10 +82,6 @@ def test_links_the_sandbox_left_in_its_output_folder_are_not_followed(tmp_path: 
     (out / "manifest.json").symlink_to(victim)
     draw_report(out)
     assert not (out / "report.html").exists() and victim.read_text() == "keep me"
-
-
-FORKS: list[int] = []
-os.register_at_fork(before=lambda: FORKS.append(os.getpid()))  # every fork of this process, subprocess's too
 
 
 def test_a_worker_without_graphviz_forks_nothing_for_the_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
