@@ -61,6 +61,7 @@ _MAX_MESSAGE = 8 << 20
 
 DIRECT_URL_EXPIRY_S = 300
 DIRECT_TIMEOUT_S = 5.0  # connect, and each read: a store that can't be reached from here costs this once
+DIRECT_UPLOAD_IO_TIMEOUT_S = 60.0  # once connected, each write of an upload and the store's answer
 
 
 class _DirectUnavailable(Exception):
@@ -79,6 +80,33 @@ def _url_chunks(url: str) -> Iterator[bytes]:
                 yield chunk
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise _DirectUnavailable(str(getattr(exc, "reason", exc))) from None
+
+
+def _put_file(url: str, headers: Mapping[str, str], path: Path) -> None:
+    """PUT the file at `path` to a presigned `url` with exactly `headers`, streamed from disk.
+    Any failure (unreachable, refused, expired, the bytes not matching the signed sha256)
+    raises _DirectUnavailable: the caller sends the bytes through the server instead."""
+    import http.client
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname or "", parts.port, timeout=DIRECT_TIMEOUT_S, blocksize=CHUNK)
+    try:
+        conn.connect()
+        if conn.sock is not None:  # connected: from here on the store may take its time per write
+            conn.sock.settimeout(DIRECT_UPLOAD_IO_TIMEOUT_S)
+        with open(path, "rb") as body:
+            conn.request("PUT", parts.path + (f"?{parts.query}" if parts.query else ""), body=body,
+                         headers=dict(headers))
+            resp = conn.getresponse()
+            answer = resp.read(4096)
+        if resp.status != 200:
+            raise _DirectUnavailable(f"the store answered {resp.status}: {answer[:300].decode('utf-8', 'replace')}")
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        raise _DirectUnavailable(str(exc)) from None
+    finally:
+        conn.close()
 
 
 def _state_name(value: int) -> str:
@@ -151,7 +179,8 @@ class Job:
     def __init__(self, client: "Client", message: pb.Job) -> None:
         self._client = client
         self._msg = message
-        # Set by Client.submit: {"sent_bytes": N, "skipped": "cache_hit" | "model_stored" | None}.
+        # Set by Client.submit: {"sent_bytes": N, "skipped": "cache_hit" | "model_stored" | None,
+        # "direct": whether the bytes sent went straight to the object store (a presigned PUT)}.
         self.upload: dict[str, Any] | None = None
         # Set by wait(download_to=...) when the job succeeded: the paths written there.
         self.downloaded: list[Path] | None = None
@@ -412,14 +441,19 @@ class Client:
 
     def __init__(self, target: str = DEFAULT_SERVER, token: str | None = None, tls: Any = None, *,
                  timeout: float = 30.0, reconnect_s: float = 60.0, chunk_size: int = CHUNK,
-                 retry_s: float = 30.0, direct_download: bool | None = None) -> None:
+                 retry_s: float = 30.0, direct_download: bool | None = None, direct_upload: bool = True) -> None:
         """`direct_download`: fetch artifacts straight from the object store through presigned
         URLs (GetArtifactUrl) instead of through the server. None (default): when the server
         can presign and the store answers from here, else through the server; True: only
-        directly; False: only through the server."""
+        directly; False: only through the server.
+
+        `direct_upload`: PUT a model (or calibration file) the server offers a presigned URL for
+        straight to the object store; when that fails, and from then on with this client, the
+        bytes go through the server. False: always through the server."""
         self.target = target
         self.direct_download = direct_download
         self._direct_works: bool | None = None  # learnt on the first artifact
+        self._direct_upload_works: bool | None = None if direct_upload else False
         self.timeout = timeout
         self.reconnect_s = reconnect_s
         self.retry_s = retry_s
@@ -503,9 +537,9 @@ class Client:
         text = _spec_text(spec)
         model_sha, model_size = sha256_file(model)
         calib_sha, calib_size = sha256_file(calib) if calib else ("", 0)
-        check = self._call(self._stub.CheckUpload,
-                           pb.CheckUploadRequest(model_sha256=model_sha, calibration_sha256=calib_sha, spec=text,
-                                                 no_cache=no_cache))
+        check = self._call(self._stub.CheckUpload, pb.CheckUploadRequest(
+            model_sha256=model_sha, calibration_sha256=calib_sha, spec=text, no_cache=no_cache,
+            model_size=model_size, calibration_size=calib_size, direct_upload=self._direct_upload_works is not False))
         if check.max_upload_bytes and max(model_size, calib_size) > check.max_upload_bytes:
             big = "model" if model_size >= calib_size else "calibration"
             raise TooLarge(f"{big} is {max(model_size, calib_size)} bytes; the server accepts at most "
@@ -513,6 +547,12 @@ class Client:
         # A cache hit needs no bytes at all, stored or not.
         skip = {"model": check.model_present or check.cache_hit,
                 "calibration": check.calibration_present or check.cache_hit}
+        # Bytes the server offered a presigned PUT for go straight to the store; then they are stored.
+        direct = {"model": False, "calibration": False}
+        for kind, path, offer in (("model", model, check.model_upload), ("calibration", calib, check.calibration_upload)):
+            if path is not None and not skip[kind] and offer.url and self._direct_upload_works is not False:
+                skip[kind] = direct[kind] = self._put_direct(path, offer)
+        sent = [(model_size if direct["model"] else 0) + (calib_size if direct["calibration"] else 0)]
         header = pb.SubmitHeader(
             spec=text, idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}", no_cache=no_cache,
             model=pb.FileHeader(filename=model.name, size=model_size, sha256=model_sha, stored=skip["model"]),
@@ -521,7 +561,6 @@ class Client:
             header.calibration.CopyFrom(pb.FileHeader(filename=calib.name, size=calib_size, sha256=calib_sha,
                                                       stored=skip["calibration"]))
         changed: list[str] = []
-        sent = [0]
 
         def chunks(path: Path, expected: str, kind: str) -> Iterator[pb.SubmitJobRequest]:
             h = hashlib.sha256()
@@ -550,9 +589,9 @@ class Client:
                 if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not relied_on_cache:
                     raise
                 # The cached result failed its proof check since CheckUpload: send the bytes after all.
-                header.model.stored = check.model_present
+                header.model.stored = check.model_present or direct["model"]
                 if calib is not None:
-                    header.calibration.stored = check.calibration_present
+                    header.calibration.stored = check.calibration_present or direct["calibration"]
                 msg = self._retrying(lambda: self._stub.SubmitJob(requests(), metadata=self._metadata))
         except grpc.RpcError as err:
             if changed:
@@ -562,10 +601,24 @@ class Client:
         reason = None
         if msg.cache_hit:
             reason = "cache_hit"
-        elif header.model.stored:
+        elif header.model.stored and not direct["model"]:
             reason = "model_stored"
-        job.upload = {"sent_bytes": sent[0], "skipped": reason}
+        job.upload = {"sent_bytes": sent[0], "skipped": reason, "direct": any(direct.values())}
         return job
+
+    def _put_direct(self, path: Path, offer: pb.UploadTarget) -> bool:
+        """PUT `path` to the presigned URL the server offered. False when the store cannot be
+        reached from here or refuses the bytes: then they go through the server, and this
+        client stops asking for URLs (a store behind the cluster's network answers no better
+        next time)."""
+        try:
+            _put_file(offer.url, offer.headers, path)
+            return True
+        except _DirectUnavailable as exc:
+            log.info("direct upload of %s to the object store failed (%s); sending it through the server",
+                     path.name, exc)
+            self._direct_upload_works = False
+            return False
 
     def get(self, job_id: str) -> Job:
         return Job(self, self._call(self._stub.GetJob, pb.GetJobRequest(job_id=job_id)))

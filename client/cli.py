@@ -215,6 +215,8 @@ def submit(
                            "(model upload skipped; --no-cache converts again)")
             elif skipped == "model_stored":
                 _err.print(f"model already stored, upload skipped; submitted job {job.id}")
+            elif (job.upload or {}).get("direct"):
+                _err.print(f"model uploaded straight to the object store; submitted job {job.id}")
             else:
                 _err.print(f"submitted job {job.id}")
             if not (wait or out):

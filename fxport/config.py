@@ -77,6 +77,13 @@ class Settings(BaseSettings):
         540.0, ge=0, description="Celery worker_soft_shutdown_timeout: on SIGTERM (remapped to SIGQUIT) the running "
         "job gets this long to finish before it is cut and requeued; keep it under the pod's grace period.")
 
+    direct_upload: bool = Field(
+        True, description="CheckUpload hands a client a presigned PUT for a model or calibration file the store "
+        "lacks, so its bytes go straight to the object store instead of through the API (S3 stores only; a "
+        "client that cannot reach the store streams them through the API instead).")
+    direct_upload_min_bytes: int = Field(
+        16 << 20, ge=0, description="Smallest input offered a direct upload: below it one SubmitJob stream "
+        "costs less than a second request to the store.")
     early_upload: bool = Field(
         True, description="Workers upload each artifact while the engine goes on exporting and verifying, instead "
         "of after the job; the overlap costs a snapshot copy of each artifact and CPU next to the engine.")

@@ -67,6 +67,7 @@ class FxportMetrics:
     cache_entry_reads_total: Counter
     sandbox_failures_total: Counter
     upload_bytes_total: Counter
+    direct_upload_bytes_total: Counter
 
     def record_sandbox_failure(self, reason: str) -> None:
         """Count one sandbox failure; a reason outside SANDBOX_FAILURE_REASONS counts as "other"."""
@@ -137,6 +138,13 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
             ["kind"],
             registry=registry,
         ),
+        direct_upload_bytes_total=Counter(
+            "fxport_direct_upload_bytes_total",
+            "Bytes clients were given presigned URLs to PUT straight to the object store (the size each URL "
+            "signs), by kind; they never pass through the API.",
+            ["kind"],
+            registry=registry,
+        ),
     )
     for state in JOB_STATES:
         m.jobs_total.labels(state)
@@ -151,6 +159,7 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
         m.sandbox_failures_total.labels(reason)
     for kind in UPLOAD_KINDS:
         m.upload_bytes_total.labels(kind)
+        m.direct_upload_bytes_total.labels(kind)
     return m
 
 

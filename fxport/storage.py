@@ -11,6 +11,7 @@ boto3 is imported only when an S3 store is opened: the thin client never pays fo
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -182,6 +183,12 @@ class ArtifactStore(ABC):
 
     def presigned_url(self, key: str, expires_s: int = 900) -> str | None:
         """A time-limited GET URL, or None when the backend cannot make one."""
+        return None
+
+    def presigned_put(self, key: str, *, sha256: str, size: int,
+                      expires_s: int = 900) -> tuple[str, dict[str, str]] | None:
+        """A time-limited PUT URL, and the headers to send with it, that can store exactly `size`
+        bytes hashing to `sha256` under `key` and nothing else; None when the backend cannot."""
         return None
 
 
@@ -567,6 +574,19 @@ class S3Store(ArtifactStore):
         return self._s3.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._k(key)}, ExpiresIn=int(expires_s)
         )
+
+    def presigned_put(self, key: str, *, sha256: str, size: int,
+                      expires_s: int = 900) -> tuple[str, dict[str, str]] | None:
+        # Signed with the URL: the length, the sha256 metadata every fxport object carries, and
+        # x-amz-checksum-sha256, which the store checks against the bytes it receives (BadDigest
+        # otherwise). A client can neither store other bytes under the content address nor
+        # change the size it declared; a worker re-checks the sha256 when it fetches the input.
+        checksum = base64.b64encode(bytes.fromhex(sha256)).decode()
+        url = self._s3.generate_presigned_url("put_object", Params={
+            "Bucket": self.bucket, "Key": self._k(key), "Metadata": {"sha256": sha256},
+            "ChecksumSHA256": checksum, "ContentLength": int(size)}, ExpiresIn=int(expires_s))
+        return url, {"Content-Length": str(int(size)), "x-amz-meta-sha256": sha256,
+                     "x-amz-checksum-sha256": checksum}
 
 
 class S3StreamUpload:

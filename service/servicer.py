@@ -329,19 +329,48 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
     def CheckUpload(self, request: pb.CheckUploadRequest, context: grpc.ServicerContext) -> pb.CheckUploadResponse:
         tenant = self.tenant_of(context)
         out = pb.CheckUploadResponse(max_upload_bytes=self.settings.max_upload_bytes)
-        for field, present in (("model_sha256", "model_present"), ("calibration_sha256", "calibration_present")):
-            sha = getattr(request, field)
+        for kind in ("model", "calibration"):
+            sha = getattr(request, f"{kind}_sha256")
             if not sha:
                 continue
             if not SHA256_RE.match(sha):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: expected 64 lowercase hex digits")
-            setattr(out, present, self.artifacts.exists(input_key(tenant, sha)))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}_sha256: expected 64 lowercase hex digits")
+            setattr(out, f"{kind}_present", self.artifacts.exists(input_key(tenant, sha)))
         if request.model_sha256 and not request.no_cache:
             spec = self._spec_or_abort(request.spec, context)
             # The cheap half of the proof (sizes and recorded digests): SubmitJob does the rest.
             out.cache_hit = self._cache_lookup(tenant, request.model_sha256, request.calibration_sha256 or None, spec,
                                                prove=False).hit
+        if request.direct_upload and self.settings.direct_upload and not out.cache_hit:
+            self._offer_direct_uploads(tenant, request, out)
         return out
+
+    def _offer_direct_uploads(self, tenant: str, request: pb.CheckUploadRequest, out: pb.CheckUploadResponse) -> None:
+        """Presigned PUTs for the inputs the store lacks (S3 only): their bytes then go from the
+        client to the store and never through this process. Each URL is bound to the tenant's
+        content address, the declared size and sha256 (storage.S3Store.presigned_put)."""
+        lo, hi = self.settings.direct_upload_min_bytes, self.settings.max_upload_bytes
+        wanted = [(kind, getattr(request, f"{kind}_sha256"), getattr(request, f"{kind}_size"))
+                  for kind in ("model", "calibration")]
+        wanted = [(kind, sha, size) for kind, sha, size in wanted
+                  if sha and not getattr(out, f"{kind}_present") and lo <= size <= hi]
+        # A tenant at its in-flight limit gets no URL: SubmitJob refuses it before any byte moves.
+        if not wanted or self.in_flight.count(tenant) >= self.in_flight.limit:
+            return
+        for kind, sha, size in wanted:
+            try:
+                signed = self.artifacts.presigned_put(input_key(tenant, sha), sha256=sha, size=size,
+                                                      expires_s=DEFAULT_URL_EXPIRY_S)
+            except Exception as exc:  # no URL costs the client a stream through here, nothing else
+                log.warning("cannot presign an upload: %s", exc)
+                return
+            if signed is None:  # a store that cannot presign (file://)
+                return
+            target = getattr(out, f"{kind}_upload")
+            target.url = signed[0]
+            target.headers.update(signed[1])
+            target.expires_at.CopyFrom(timestamp(time.time() + DEFAULT_URL_EXPIRY_S))
+            METRICS.direct_upload_bytes_total.labels(kind).inc(size)
 
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.Job:
         return job_to_proto(self._owned(request.job_id, context))

@@ -31,12 +31,14 @@ from typing import Any, Callable
 
 from fxport.cache import Remembered, forget_job_result, remember_job_result
 from fxport.config import Settings
-from fxport.errors import FxportError, JobCancelled
-from fxport.jobs import ArtifactRecord, JobErrorInfo, JobRecord, JobState, JobStore
+from fxport.errors import FxportError, InvalidInput, JobCancelled
+from fxport.jobs import ArtifactRecord, InputRef, JobErrorInfo, JobRecord, JobState, JobStore
 from fxport.logs import job_context
 from fxport.spec import JobSpec, parse_spec
 from fxport.toolchain import local_toolchain
-from fxport.storage import ArtifactStore, StorageError, StoredObject, artifact_key, check_artifact_name, job_prefix
+from fxport.storage import (
+    ArtifactStore, IntegrityError, StorageError, StoredObject, artifact_key, check_artifact_name, job_prefix,
+)
 from fxport.workers.artifact_upload import EarlyUpload
 
 log = logging.getLogger(__name__)
@@ -263,6 +265,22 @@ def _fail(ctx: WorkerContext, job_id: str, stage: str | None, code: str, message
     return rec
 
 
+def fetch_input(ctx: WorkerContext, ref: InputRef, dest: Path, what: str) -> None:
+    """Fetch an input, checked against its sha256. Bytes that do not hash to it (a direct
+    upload to a store that does not check x-amz-checksum-sha256, or damage in the store) are
+    deleted, so that the next submit of that model uploads it again, and the job fails as
+    invalid input: retrying would only read the same bytes."""
+    try:
+        ctx.artifacts.get(ref.key, dest)
+    except IntegrityError as exc:
+        try:
+            ctx.artifacts.delete_object(ref.key)
+        except StorageError as gone:
+            log.warning("could not remove the corrupt %s %s: %s", what, ref.key, gone)
+        raise InvalidInput(f"the stored {what} does not hash to its sha256 {ref.sha256} ({exc}); it was removed",
+                           stage="load", field=what, hint="submit the job again: the bytes are uploaded anew") from None
+
+
 def _announce_staged(ctx: WorkerContext, job_id: str, name: str, stored: StoredObject) -> None:
     """An artifact went up while the engine works on: the client may fetch it already
     (JobRecord.staged); it keeps the copy only if the verified result lists the same sha256."""
@@ -339,11 +357,11 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
             if redelivered:
                 ctx.artifacts.delete_prefix(job_prefix(rec.tenant, rec.id))
             model_path = tmp / "input" / f"model{_suffix(rec.model.filename)}"
-            ctx.artifacts.get(rec.model.key, model_path)
+            fetch_input(ctx, rec.model, model_path, "model")
             calibration_path = None
             if rec.calibration is not None:
                 calibration_path = tmp / "input" / f"calibration{_suffix(rec.calibration.filename)}"
-                ctx.artifacts.get(rec.calibration.key, calibration_path)
+                fetch_input(ctx, rec.calibration, calibration_path, "calibration")
             timeout = min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s)
             manifest = ctx.run_engine(
                 model_path, spec, out_dir, job_id=job_id, calibration_path=calibration_path,

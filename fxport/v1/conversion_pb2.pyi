@@ -62,28 +62,55 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., model_chunk: _Optional[bytes] = ..., calibration_chunk: _Optional[bytes] = ...) -> None: ...
 
 class CheckUploadRequest(_message.Message):
-    __slots__ = ("model_sha256", "calibration_sha256", "spec", "no_cache")
+    __slots__ = ("model_sha256", "calibration_sha256", "spec", "no_cache", "model_size", "calibration_size", "direct_upload")
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_SHA256_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_UPLOAD_FIELD_NUMBER: _ClassVar[int]
     model_sha256: str
     calibration_sha256: str
     spec: str
     no_cache: bool
-    def __init__(self, model_sha256: _Optional[str] = ..., calibration_sha256: _Optional[str] = ..., spec: _Optional[str] = ..., no_cache: _Optional[bool] = ...) -> None: ...
+    model_size: int
+    calibration_size: int
+    direct_upload: bool
+    def __init__(self, model_sha256: _Optional[str] = ..., calibration_sha256: _Optional[str] = ..., spec: _Optional[str] = ..., no_cache: _Optional[bool] = ..., model_size: _Optional[int] = ..., calibration_size: _Optional[int] = ..., direct_upload: _Optional[bool] = ...) -> None: ...
+
+class UploadTarget(_message.Message):
+    __slots__ = ("url", "headers", "expires_at")
+    class HeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    URL_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    headers: _containers.ScalarMap[str, str]
+    expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, url: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class CheckUploadResponse(_message.Message):
-    __slots__ = ("model_present", "calibration_present", "max_upload_bytes", "cache_hit")
+    __slots__ = ("model_present", "calibration_present", "max_upload_bytes", "cache_hit", "model_upload", "calibration_upload")
     MODEL_PRESENT_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_PRESENT_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_UPLOAD_FIELD_NUMBER: _ClassVar[int]
     model_present: bool
     calibration_present: bool
     max_upload_bytes: int
     cache_hit: bool
-    def __init__(self, model_present: _Optional[bool] = ..., calibration_present: _Optional[bool] = ..., max_upload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+    model_upload: UploadTarget
+    calibration_upload: UploadTarget
+    def __init__(self, model_present: _Optional[bool] = ..., calibration_present: _Optional[bool] = ..., max_upload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., model_upload: _Optional[_Union[UploadTarget, _Mapping]] = ..., calibration_upload: _Optional[_Union[UploadTarget, _Mapping]] = ...) -> None: ...
 
 class InputRef(_message.Message):
     __slots__ = ("sha256", "bytes", "filename", "key")

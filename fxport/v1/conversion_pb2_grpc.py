@@ -95,6 +95,8 @@ class ConversionServiceServicer:
         them? A client that gets `model_present` or `cache_hit` sends `FileHeader.stored = true`
         and no model chunks. (If a cached result fails its proof check between the two calls and
         the model is not stored, SubmitJob answers FAILED_PRECONDITION: send the bytes.)
+        A client that gets `model_upload` may PUT the model straight to the object store there,
+        then submit with `stored = true`; if the PUT fails it streams the bytes as usual.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -128,7 +128,7 @@ def test_identical_spec_in_another_key_order_is_a_hit_without_upload(cache_api, 
         # A new job in the caller's tenant, SUCCEEDED at once, pointing at the earlier artifacts.
         assert job.state == "SUCCEEDED" and job.message.cache_hit, (job.to_dict(), cache_api.logs())
         assert job.id != first_job.id and job.message.tenant == TENANTS[0]
-        assert job.upload == {"sent_bytes": 0, "skipped": "cache_hit"}
+        assert job.upload == {"sent_bytes": 0, "skipped": "cache_hit", "direct": False}
         assert [(a["name"], a["key"], a["sha256"]) for a in job.artifacts] == \
                [(a["name"], a["key"], a["sha256"]) for a in first_job.artifacts]
         assert job.spec["labels"] == {"suite": "cache", "run": "2"}  # the new job's own spec
@@ -188,7 +188,7 @@ def test_no_hit_across_tenants(cache_api, first_job, tiny_pt2):
         job = c.submit(tiny_pt2, SPEC)
         assert not job.message.cache_hit and job.message.tenant == TENANTS[1]
         # cache-a's stored model is not cache-b's either: the bytes travel.
-        assert job.upload == {"sent_bytes": tiny_pt2.stat().st_size, "skipped": None}
+        assert job.upload == {"sent_bytes": tiny_pt2.stat().st_size, "skipped": None, "direct": False}
         job.cancel()
     assert cache_api.uploaded_model_bytes() == uploaded + tiny_pt2.stat().st_size
     with cache_api.client(TENANTS[0]) as c:  # and cache-a still hits its own
@@ -199,12 +199,12 @@ def test_upload_skipped_for_a_known_digest(cache_api, first_job, tiny_pt2, varia
     with cache_api.client() as c:
         before = cache_api.uploaded_model_bytes()
         job = c.submit(variant_pt2, SPEC, no_cache=True)  # a model this tenant never sent
-        assert job.upload == {"sent_bytes": variant_pt2.stat().st_size, "skipped": None}
+        assert job.upload == {"sent_bytes": variant_pt2.stat().st_size, "skipped": None, "direct": False}
         job.cancel()
         after = cache_api.uploaded_model_bytes()
         assert after == before + variant_pt2.stat().st_size
         again = c.submit(variant_pt2, {"targets": ["fx_source"]}, no_cache=True)  # same bytes, other job
-        assert again.upload == {"sent_bytes": 0, "skipped": "model_stored"}
+        assert again.upload == {"sent_bytes": 0, "skipped": "model_stored", "direct": False}
         again.cancel()
         assert cache_api.uploaded_model_bytes() == after
 
@@ -298,7 +298,7 @@ def test_cross_tenant_sharing_when_the_operator_enables_it(tmp_path, tiny_pt2):
         with Client(api.address, token=tokens[TENANTS[1]]) as b:
             hit = b.submit(tiny_pt2, {"targets": ["fx_source"]})
             assert hit.message.cache_hit and hit.message.tenant == TENANTS[1]
-            assert hit.upload == {"sent_bytes": 0, "skipped": "cache_hit"}
+            assert hit.upload == {"sent_bytes": 0, "skipped": "cache_hit", "direct": False}
             assert {a["key"] for a in hit.artifacts} == {a["key"] for a in first.artifacts}
             assert "of job" not in hit.message.message  # another tenant's job id is not named
             hit.download(tmp_path / "out")  # the other tenant's objects, readable through this job
