@@ -91,7 +91,8 @@ paired with an in-process engine run just before it; the ratio is the median of 
 Uploading after the job puts the artifacts' S3 writes on the critical path (SeaweedFS, on the
 same two cores, spent {weed_ms_per_mib:.1f} ms of CPU per MiB written in this run: ~0.4 s per
 45 MiB artifact); overlapped, they take the core the single-threaded engine
-leaves free, at the price of a snapshot copy of each file while the sandbox still runs.
+leaves free, at the price of that CPU beside the engine (each file is hashed, then sent with its
+digest for the store to check, since the sandbox may still write to it).
 """
     print(md)
     if not args.no_write:

@@ -86,7 +86,8 @@ class Settings(BaseSettings):
         "costs less than a second request to the store.")
     early_upload: bool = Field(
         True, description="Workers upload each artifact while the engine goes on exporting and verifying, instead "
-        "of after the job; the overlap costs a snapshot copy of each artifact and CPU next to the engine.")
+        "of after the job; the overlap costs CPU next to the engine (and, on a store that cannot check a "
+        "checksum on upload, a private copy of each artifact).")
 
     # Result cache (DESIGN.md §8, fxport/cache.py, deploy/README.md "Result cache").
     cache_enabled: bool = Field(

@@ -151,6 +151,13 @@ class ArtifactStore(ABC):
             tmp.flush()
             return self.put_file(key, Path(tmp.name), sha256=h.hexdigest())
 
+    def put_snapshot(self, key: str, path: Path, *, spool_dir: Path | None = None) -> StoredObject:
+        """Store what `path` holds now while another process may still write to it (a running
+        sandbox's output): the object always holds exactly the bytes its recorded sha256 names,
+        or StorageError and nothing is stored. Here by a private copy, hashed as it is made."""
+        with open(path, "rb") as f:
+            return self.put_stream(key, f, spool_dir=spool_dir)
+
     @abstractmethod
     def head(self, key: str) -> StoredObject | None:
         """Size and recorded sha256, or None if there is no such object."""
@@ -244,6 +251,10 @@ class FileStore(ArtifactStore):
         finally:
             Path(tmp).unlink(missing_ok=True)
         return stored
+
+    def put_snapshot(self, key: str, path: Path, *, spool_dir: Path | None = None) -> StoredObject:
+        # put_file copies into the store and records the digest of that copy: the copy is the snapshot.
+        return self.put_file(key, path)
 
     def head(self, key: str) -> StoredObject | None:
         obj, meta = self._paths(key)
@@ -421,6 +432,36 @@ class S3Store(ArtifactStore):
             tmp.flush()
             digest = h.hexdigest()
             self._upload(key, Path(tmp.name), digest)
+        return StoredObject(key=key, bytes=n, sha256=digest)
+
+    SINGLE_PUT_MAX = 5 << 30  # the largest object S3 takes in one PUT
+
+    def put_snapshot(self, key: str, path: Path, *, spool_dir: Path | None = None) -> StoredObject:
+        """No private copy: the file is hashed, then sent in one PUT that carries the digest as
+        x-amz-checksum-sha256, which the store checks against the bytes it receives; bytes that
+        changed in between are refused (IntegrityError) and nothing is stored. A store that does
+        not confirm the checksum gets the copy (the base class) instead."""
+        from botocore.exceptions import ClientError
+
+        if path.stat().st_size > self.SINGLE_PUT_MAX:
+            return super().put_snapshot(key, path, spool_dir=spool_dir)
+        digest, n = sha256_file(path)
+        checksum = base64.b64encode(bytes.fromhex(digest)).decode()
+
+        def put() -> dict[str, Any]:
+            with open(path, "rb") as body:
+                return self._s3.put_object(Bucket=self.bucket, Key=self._k(key), Body=body,
+                                           Metadata={"sha256": digest}, ChecksumSHA256=checksum)
+
+        try:
+            resp = self._retry(f"upload {key}", put)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("BadDigest", "XAmzContentSHA256Mismatch"):
+                raise IntegrityError(f"{path} changed while it was being stored") from None
+            raise
+        if resp.get("ChecksumSHA256") != checksum:  # the store did not say it checked the bytes
+            self.delete_object(key)
+            return super().put_snapshot(key, path, spool_dir=spool_dir)
         return StoredObject(key=key, bytes=n, sha256=digest)
 
     def _put_checked(self, key: str, path: Path, sha256: str) -> StoredObject:

@@ -9,8 +9,10 @@ import urllib.request
 
 import pytest
 
+import fxport.storage
 from fxport.storage import (
-    FileStore, IntegrityError, InvalidKey, ObjectNotFound, S3Store, artifact_key, input_key, job_prefix, open_store,
+    ArtifactStore, FileStore, IntegrityError, InvalidKey, ObjectNotFound, S3Store, artifact_key, input_key,
+    job_prefix, open_store,
 )
 
 JOB = "01m8kvr8p9r91rpbemf9nds6es"
@@ -54,6 +56,39 @@ def test_put_refuses_a_file_that_does_not_match_the_callers_digest(store, tmp_pa
     src.write_bytes(b"model bytes")
     with pytest.raises(IntegrityError):
         store.put_file(input_key("default", SHA), src, sha256="0" * 64)
+
+
+def test_a_snapshot_holds_the_bytes_its_digest_names_even_while_the_file_changes(store, tmp_path, monkeypatch):
+    """put_snapshot (the early upload of a running sandbox's output): on S3 no private copy is
+    made, the store checks the digest sent with the bytes; a file that changes between the hash
+    and the send is refused and nothing is stored. Either way object and digest agree."""
+    def no_copy(*a, **kw):
+        raise AssertionError("S3 took the private-copy path: the store did not confirm the checksum")
+
+    if isinstance(store, S3Store):
+        monkeypatch.setattr(ArtifactStore, "put_snapshot", no_copy)
+    src = tmp_path / "model.onnx"
+    src.write_bytes(os.urandom(6 << 20))
+    key = artifact_key("default", JOB, "model.onnx")
+    stored = store.put_snapshot(key, src, spool_dir=tmp_path)
+    assert stored.sha256 == hashlib.sha256(src.read_bytes()).hexdigest() == store.head(key).sha256
+    store.delete_object(key)
+
+    real = fxport.storage.sha256_file
+
+    def hashed_then_rewritten(path):  # the sandbox writes on right after the digest was taken
+        digest = real(path)
+        path.write_bytes(os.urandom(6 << 20))
+        return digest
+
+    monkeypatch.setattr(fxport.storage, "sha256_file", hashed_then_rewritten)
+    try:
+        stored = store.put_snapshot(key, src, spool_dir=tmp_path)
+    except IntegrityError:
+        assert isinstance(store, S3Store) and store.head(key) is None
+    else:
+        assert isinstance(store, FileStore)
+        assert stored.sha256 == store.head(key).sha256 == hashlib.sha256(src.read_bytes()).hexdigest()
 
 
 def test_get_detects_corruption(tmp_path):

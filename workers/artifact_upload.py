@@ -10,9 +10,10 @@ whole. A file that changes anyway after it went up costs a second upload of it, 
 artifact (below).
 
 The sandbox child is untrusted and still running, so an early upload proves nothing by
-itself: each file is snapshotted (read once into a private spool while hashed, then that
-spool is uploaded), so the object and its recorded digest always agree, whatever the child
-does to the file meanwhile. After the child exits, `upload_outputs` keeps an early object
+itself: each file goes up as a snapshot (`ArtifactStore.put_snapshot`: on S3, hashed and then
+sent with that digest as x-amz-checksum-sha256, which the store checks; elsewhere through a
+private copy), so the object and its recorded digest always agree, whatever the child does to
+the file meanwhile. After the child exits, `upload_outputs` keeps an early object
 only if its digest is the one the validated manifest states for that file (or, for a file
 the manifest does not list, the digest the file has now); anything else is uploaded again,
 and early objects of files that are gone are deleted.
@@ -99,8 +100,7 @@ class EarlyUpload:
                 continue
             try:
                 key = artifact_key(self.tenant, self.job_id, check_artifact_name(name))
-                with open(path, "rb") as f:
-                    self.uploaded[name] = self.artifacts.put_stream(key, f, spool_dir=self.spool_dir)
+                self.uploaded[name] = self.artifacts.put_snapshot(key, path, spool_dir=self.spool_dir)
                 self._seen[name] = (st.st_size, st.st_mtime_ns)
             except Exception as exc:  # the late upload does it again; nothing is lost
                 log.info("early upload of %s failed (it is retried after verification): %s", name, exc)

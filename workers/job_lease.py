@@ -169,6 +169,10 @@ class AttemptFence:
         self._check(key)
         return self._target.put_stream(key, *args, **kwargs)
 
+    def put_snapshot(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        self._check(key)
+        return self._target.put_snapshot(key, *args, **kwargs)
+
     def delete_prefix(self, prefix: str) -> int:
         self._check(prefix)
         return self._target.delete_prefix(prefix)
@@ -176,10 +180,6 @@ class AttemptFence:
     def delete_object(self, key: str) -> Any:
         self._check(key)
         return self._target.delete_object(key)
-
-    def delete_object(self, key: str) -> None:
-        self._check(key)
-        self._target.delete_object(key)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)
