@@ -446,7 +446,7 @@ class S3Store(ArtifactStore):
         if path.stat().st_size > self.SINGLE_PUT_MAX:
             return super().put_snapshot(key, path, spool_dir=spool_dir)
         digest, n = sha256_file(path)
-        checksum = base64.b64encode(bytes.fromhex(digest)).decode()
+        checksum = _checksum_sha256(digest)
 
         def put() -> dict[str, Any]:
             with open(path, "rb") as body:
@@ -622,7 +622,7 @@ class S3Store(ArtifactStore):
         # x-amz-checksum-sha256, which the store checks against the bytes it receives (BadDigest
         # otherwise). A client can neither store other bytes under the content address nor
         # change the size it declared; a worker re-checks the sha256 when it fetches the input.
-        checksum = base64.b64encode(bytes.fromhex(sha256)).decode()
+        checksum = _checksum_sha256(sha256)
         url = self._s3.generate_presigned_url("put_object", Params={
             "Bucket": self.bucket, "Key": self._k(key), "Metadata": {"sha256": sha256},
             "ChecksumSHA256": checksum, "ContentLength": int(size)}, ExpiresIn=int(expires_s))
@@ -695,6 +695,11 @@ class S3StreamUpload:
                                                   UploadId=self.upload_id)
         except Exception as exc:  # an unfinished upload is never visible; the bucket's lifecycle reaps it
             log.warning("could not abort the multipart upload of %s: %s", self.key, exc)
+
+
+def _checksum_sha256(hex_digest: str) -> str:
+    """A sha256 the way S3's x-amz-checksum-sha256 carries it: the raw digest, base64."""
+    return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
 
 def _transient(exc: BaseException) -> bool:
