@@ -157,9 +157,11 @@ def cpu_s(pid: int) -> float:
     return total / tick
 
 
-def seaweed_write_cost(s3: object, debug_url: str, work: Path, mib: int = 45, seconds: int = 3) -> dict[str, Any]:
+def seaweed_write_cost(s3: object, debug_url: str | None, work: Path, mib: int = 45,
+                       seconds: int = 3) -> dict[str, Any]:
     """SeaweedFS's CPU per MiB written (PUTs of `mib` MiB for `seconds`), and where it goes:
-    a CPU profile of the server over the same PUTs (its -debug pprof endpoint)."""
+    a CPU profile of the server over the same PUTs (its -debug pprof endpoint; none without
+    `debug_url`: then only "ms_per_mib")."""
     import threading
 
     from bench._pprof import fetch
@@ -170,7 +172,8 @@ def seaweed_write_cost(s3: object, debug_url: str, work: Path, mib: int = 45, se
     store = S3Store(s3.bucket, "weed-cost", endpoint_url=s3.endpoint)  # type: ignore[attr-defined]
     store.put_file("blob-warm", blob)
     profiled: dict[str, Any] = {}
-    profiler = threading.Thread(target=lambda: profiled.update(p=fetch(debug_url, seconds)))
+    profiler = threading.Thread(target=lambda: profiled.update(p=fetch(debug_url, seconds)) if debug_url
+                                else time.sleep(seconds))
     before, n = cpu_s(s3.process.pid), 0  # type: ignore[attr-defined]
     profiler.start()
     time.sleep(0.2)
@@ -178,6 +181,8 @@ def seaweed_write_cost(s3: object, debug_url: str, work: Path, mib: int = 45, se
         store.put_file(f"blob-{n}", blob)
         n += 1
     cost = (cpu_s(s3.process.pid) - before) * 1000 / (n * mib)  # type: ignore[attr-defined]
+    if not debug_url:
+        return {"ms_per_mib": cost}
     prof = profiled["p"]
     return {"ms_per_mib": cost, "md5": prof.share("crypto/md5."), "md5_by": prof.sites("crypto/md5."),
             "pwrite": prof.share("os.(*File).pwrite", "os.(*File).write"),
@@ -187,7 +192,7 @@ def seaweed_write_cost(s3: object, debug_url: str, work: Path, mib: int = 45, se
 
 def s3_floor(s3: object, model: Path, n: int = 3) -> dict[str, float]:
     """The model's own trip through the object store with nothing else running: one PUT (as
-    the API stores it) and one GET (as the worker fetches it), medians of `n`. No service on
+    the client stores it) and one GET (as the worker fetches it), medians of `n`. No service on
     this store can take less than this on top of the engine."""
     from fxport.digest import sha256_file
     from fxport.storage import S3Store
@@ -268,7 +273,8 @@ def full_stack(client: Any, model: Path, out: Path, early: bool = True) -> dict[
     discard(out)
     return {"total": t3 - t0, "submit": t1 - t0, "queued": d["started_at"] - d["created_at"],
             "running": d["finished_at"] - d["started_at"], "stages": stages, "engine": engine,
-            "notify": w2 - d["finished_at"], "download": t3 - t2, "sent": job.upload["sent_bytes"]}
+            "notify": w2 - d["finished_at"], "download": t3 - t2, "sent": job.upload["sent_bytes"],
+            "direct": job.upload["direct"]}
 
 
 def core_contention(seconds: float = 1.0) -> dict[str, float]:
@@ -567,7 +573,7 @@ def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[s
         + m("download")
     export_lo, export_hi = min(e.get("export", 0.0) for e in engine_stages), max(e.get("export", 0.0) for e in engine_stages)
     rows = [
-        ("client: sha256, CheckUpload, SubmitJob streaming the model through the API into S3", m("submit"), 0.0),
+        ("client: sha256, CheckUpload, the model PUT straight into S3 (presigned), SubmitJob", m("submit"), 0.0),
         ("queued: API → Redis → a worker takes it", max(0.0, m("queued")), 0.0),
         ("`load`: the worker fetches the model from S3, forks the sandbox, loads it", stage("load"), in_eng["load"]),
         ("`capture`", stage("capture"), in_eng["capture"]),
@@ -608,7 +614,9 @@ verified against eager. Every run converts a model with its own weights (nothing
 within a minute, so each run is a round — engine in-process, engine in its sandbox, the stack
 paths, engine in-process again — and every path is compared with the mean of its round's two
 in-process conversions. The ratios are the medians of those per-round ratios; the full stack's
-per-round ratios were {", ".join(f"{x:.2f}" for x in sorted(per_run))}.
+per-round ratios were {", ".join(f"{x:.2f}" for x in sorted(per_run))}. Each run's outputs are deleted once
+checked, whatever the path, so that their writeback to disk does not land in a later run (on this
+kind of VM it slowed the next runs' sandbox children, whose memory is all fresh, by up to a second each).
 
 | path | wall s (median) | vs in-process |
 |---|---|---|
@@ -636,7 +644,7 @@ CPU time per job (medians of the same runs), of every process involved:
 Why the ratio is {ratio:.2f}× and not 1.00×: the stack adds {extra:.2f} s to {med(inproc):.2f} s.
 
 **The store's own floor is {floor_ratio:.2f}×.** Timed alone in this run, with nothing else running, the
-model's trip through SeaweedFS — one PUT as the API stores it ({floor["put"]:.2f} s) and one GET as the
+model's trip through SeaweedFS — one PUT as the client stores it ({floor["put"]:.2f} s) and one GET as the
 worker fetches it ({floor["get"]:.2f} s) — takes {floor_s:.2f} s: on this store no service, however thin, can
 convert a new model in less than {floor_ratio:.2f}× the engine's time. In the stack, fxport's serial steps
 (below) took {serial:.2f} s in all. SeaweedFS is CPU-bound on writes: {weed["ms_per_mib"]:.1f} ms of CPU per
@@ -645,14 +653,15 @@ MiB written in this run. A CPU profile of it over those PUTs (its `-debug` pprof
 its CPU — {md5_list} (SeaweedFS's ETags and chunk checksums). {weed["pwrite"] * 100:.0f}% is writing the volume file and {weed["memory"] * 100:.0f}% zeroing, copying and
 collecting memory. `weed mini -h` lists no option that turns the hashing off.
 
-{m("submit"):.2f} s is the submit: the {model_mib:.0f} MiB model crosses gRPC and goes into SeaweedFS S3,
-streamed on while it arrives ({model_mib / m("submit"):.0f} MiB/s end to end, the client's sha256
-included). {stage("load") - in_eng["load"]:.2f} s is the worker fetching it back from S3 and starting the
+{m("submit"):.2f} s is the submit: the client hashes the {model_mib:.0f} MiB model, asks CheckUpload, PUTs
+the bytes straight into SeaweedFS through the presigned URL it gets back (in {sum(r["direct"] for r in runs)} of
+{len(runs)} runs; none passes through the API) and submits ({model_mib / m("submit"):.0f} MiB/s end to end). {stage("load") - in_eng["load"]:.2f} s is the worker fetching it back from S3 and starting the
 sandbox. The two big artifacts come down while `verify` runs, so {m("download"):.2f} s is left after
 SUCCEEDED (downloading everything after the job instead: {med([r["download"] for r in late_runs]):.2f} s, and
 {late_paired:.2f}× overall: here the client, the store and the worker share two cores, so the early download's
-CPU lands beside the engine; a client on a machine of its own only gains the download time). Running the engine in its sandbox costs {sandbox_extra:+.2f} s per job on its own (fork,
-limits, the parent re-hashing every artifact). In the stack the engine's stages ran {engine_slower:+.2f} s
+CPU lands beside the engine; a client on a machine of its own only gains the download time). The engine in its
+sandbox alone (fork, limits, the parent re-hashing every artifact) took {sandbox_extra:+.2f} s per job against
+in-process. In the stack the engine's stages ran {engine_slower:+.2f} s
 longer than in-process. Two things take it. Work on the other core slows this one (a one-thread
 convolution took {contention["alone_ms"]:.2f} ms alone and {contention["beside_ms"]:.2f} ms beside a busy loop in another
 process: {slowdown:.2f}×; it ranged 1.03–1.41× over earlier runs of this script). And the engine waits for a

@@ -53,7 +53,7 @@ def main() -> None:
         s3 = start_seaweed(work / "seaweed")
         running.callback(s3.stop)
         os.environ.update(s3.env())
-        weed_ms_per_mib = seaweed_write_cost(s3, work)
+        weed_ms_per_mib = seaweed_write_cost(s3, None, work)["ms_per_mib"]
         for label, flag in MODES:
             stack = start_distributed(work / f"stack-{flag}", redis, s3,
                                       env_overrides={"FXPORT_SANDBOX_THREADS": "1", "FXPORT_EARLY_UPLOAD": flag})
