@@ -216,9 +216,10 @@ def s3_floor(s3: object, model: Path, n: int = 3) -> dict[str, float]:
 def discard(out: Path) -> None:
     """Delete a run's output folder once it has been checked. Every path's outputs go (the
     engine's, the sandbox's, what the client downloaded), so no run leaves ~90 MiB of dirty
-    pages behind whose writeback lands in a later run: on this benchmark's VMs that writeback
-    slowed the next runs' sandbox children (system time 0.4 s → up to 1.3 s per job) and the
-    full stack's ratio with them. A client keeps its artifacts on its own machine."""
+    pages behind whose writeback lands in a later run. Measured on this benchmark's Intel Xeon
+    VM (a file-store stack, early uploads off): with the outputs kept, the sandbox children's
+    system time rose run after run from 0.5 s to 0.9-1.3 s per ResNet job; deleted, it stayed
+    at 0.4-0.5 s. A client keeps its artifacts on its own machine."""
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
@@ -616,7 +617,8 @@ paths, engine in-process again — and every path is compared with the mean of i
 in-process conversions. The ratios are the medians of those per-round ratios; the full stack's
 per-round ratios were {", ".join(f"{x:.2f}" for x in sorted(per_run))}. Each run's outputs are deleted once
 checked, whatever the path, so that their writeback to disk does not land in a later run (on this
-kind of VM it slowed the next runs' sandbox children, whose memory is all fresh, by up to a second each).
+kind of VM it slowed the next runs' sandbox children, fresh processes that fault in all their memory,
+by up to a second of system time each).
 
 | path | wall s (median) | vs in-process |
 |---|---|---|
