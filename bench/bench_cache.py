@@ -191,9 +191,10 @@ def seaweed_write_cost(s3: object, debug_url: str | None, work: Path, mib: int =
 
 
 def s3_floor(s3: object, model: Path, n: int = 3) -> dict[str, float]:
-    """The model's own trip through the object store with nothing else running: one PUT (as
-    the client stores it) and one GET (as the worker fetches it), medians of `n`. No service on
-    this store can take less than this on top of the engine."""
+    """The model's own trip through the object store with nothing else running: one upload
+    (S3Store's, 8 MiB parts four at a time, no slower here than the client's single presigned
+    PUT) and one GET (as the worker fetches it), medians of `n`. No service on this store can
+    take less than this on top of the engine."""
     from fxport.digest import sha256_file
     from fxport.storage import S3Store
 
@@ -646,7 +647,7 @@ CPU time per job (medians of the same runs), of every process involved:
 Why the ratio is {ratio:.2f}× and not 1.00×: the stack adds {extra:.2f} s to {med(inproc):.2f} s.
 
 **The store's own floor is {floor_ratio:.2f}×.** Timed alone in this run, with nothing else running, the
-model's trip through SeaweedFS — one PUT as the client stores it ({floor["put"]:.2f} s) and one GET as the
+model's trip through SeaweedFS — one upload in four parallel parts ({floor["put"]:.2f} s) and one GET as the
 worker fetches it ({floor["get"]:.2f} s) — takes {floor_s:.2f} s: on this store no service, however thin, can
 convert a new model in less than {floor_ratio:.2f}× the engine's time. In the stack, fxport's serial steps
 (below) took {serial:.2f} s in all. SeaweedFS is CPU-bound on writes: {weed["ms_per_mib"]:.1f} ms of CPU per
@@ -657,7 +658,7 @@ collecting memory. `weed mini -h` lists no option that turns the hashing off.
 
 {m("submit"):.2f} s is the submit: the client hashes the {model_mib:.0f} MiB model, asks CheckUpload, PUTs
 the bytes straight into SeaweedFS through the presigned URL it gets back (in {sum(r["direct"] for r in runs)} of
-{len(runs)} runs; none passes through the API) and submits ({model_mib / m("submit"):.0f} MiB/s end to end). {stage("load") - in_eng["load"]:.2f} s is the worker fetching it back from S3 and starting the
+{len(runs)} runs, which sent no byte through the API) and submits ({model_mib / m("submit"):.0f} MiB/s end to end). {stage("load") - in_eng["load"]:.2f} s is the worker fetching it back from S3 and starting the
 sandbox. The two big artifacts come down while `verify` runs, so {m("download"):.2f} s is left after
 SUCCEEDED (downloading everything after the job instead: {med([r["download"] for r in late_runs]):.2f} s, and
 {late_paired:.2f}× overall: here the client, the store and the worker share two cores, so the early download's
