@@ -362,7 +362,8 @@ class S3Store(ArtifactStore):
         # Without signature_version="s3v4" presigned URLs come out SigV2 (ENVIRONMENT.md).
         cfg = Config(
             signature_version="s3v4",
-            # Few inner attempts: the budget is kept by _retry, whose timing is ours to bound.
+            # One inner retry (it saves a multipart upload's other parts; it sleeps at random): the
+            # budget itself is kept by _retry.
             retries={"max_attempts": 2, "mode": "standard"},
             connect_timeout=5,
             read_timeout=60,
@@ -401,14 +402,19 @@ class S3Store(ArtifactStore):
                 if not _transient(exc):
                     raise
                 elapsed = time.monotonic() - started
-                if elapsed + delay > self.retry_s:
+                # The jittered pause is what counts against the budget: no attempt starts past
+                # it. The last attempt may still run over by its own length (botocore's inner
+                # retry sleeps at random: 0.15-2.7 s per attempt against a dead endpoint), and
+                # the message reports the time as it was.
+                pause = delay * random.uniform(0.8, 1.2)
+                if elapsed + pause > self.retry_s:
                     raise StoreUnreachable(
                         f"{what}: object store unreachable at {self.endpoint} after {attempt} attempts over "
                         f"{elapsed:.1f} s ({type(exc).__name__}: {exc})",
                         hint="check that the S3 endpoint is up and reachable; FXPORT_STORE_RETRY_S sets the budget",
                     ) from exc
-                log.warning("retrying %s in %.1f s after %s (attempt %d)", what, delay, type(exc).__name__, attempt)
-                time.sleep(delay * random.uniform(0.8, 1.2))
+                log.warning("retrying %s in %.1f s after %s (attempt %d)", what, pause, type(exc).__name__, attempt)
+                time.sleep(pause)
                 delay = min(delay * 2, self.BACKOFF_MAX_S)
 
     def put_file(self, key: str, path: Path, *, sha256: str | None = None) -> StoredObject:
