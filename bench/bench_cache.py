@@ -8,8 +8,9 @@ SeaweedFS S3, `fxport serve` with the cache on, one Celery worker with 2 pool pr
    `Job.wait(download_to=…)`: SUCCEEDED and every artifact downloaded and sha256-checked),
    ÷ the engine alone in this process (`pipeline.convert`); beside it the same with the
    download after the job, the same stack on a shared-filesystem store instead of SeaweedFS
-   (what fxport's own plumbing costs without the S3 server's CPU on these cores), and the CPU
-   time of every process per job. Runs go in rounds (engine, sandbox, the stack paths, engine
+   (what fxport's own plumbing costs without the S3 server's CPU on these cores), the engine
+   in-process with one job's object-store traffic around it and no service at all (what the
+   store alone costs on these cores), and the CPU time of every process per job. Runs go in rounds (engine, sandbox, the stack paths, engine
    again; each path is compared with the mean of its round's two engine runs, since this
    machine's speed drifts within a minute) and every run converts a model with its own weights,
    so nothing is answered from the cache or any other cache. Also the engine in its sandbox
@@ -249,6 +250,94 @@ def engine_sandboxed(model: Path, out: Path, job_id: str) -> float:
     return dt
 
 
+def _store_traffic_process(conn: Any, bucket: str, endpoint: str) -> None:
+    """A process of its own standing in for the worker's and the client's store traffic (as in
+    the stack, none of it shares the engine's process or its GIL). Commands over `conn`:
+    ("model", path, tenant) → PUT through a presigned URL, fetch back, answer the local copy;
+    ("job", out, tenant, job_id) → start uploading `out`'s artifacts early and fetching them
+    back; ("offer",) → look for new files; ("finish",) → wait for all that, answer the names."""
+    from fxport.client import _put_file
+    from fxport.digest import sha256_file
+    from fxport.storage import S3Store, input_key
+    from fxport.workers.artifact_upload import EarlyUpload
+
+    store = S3Store(bucket, "store-traffic", endpoint_url=endpoint)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    early, fetches, down = None, [], Path()
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "model":
+            path, tenant = Path(cmd[1]), cmd[2]
+            digest, size = sha256_file(path)
+            url, headers = store.presigned_put(input_key(tenant, digest), sha256=digest, size=size)
+            _put_file(url, headers, path)
+            local = path.parent / f"{path.stem}-fetched" / "model.pt2"
+            local.parent.mkdir()
+            store.get(input_key(tenant, digest), local)
+            conn.send((str(local), digest))
+        elif cmd[0] == "job":
+            out, tenant, job_id = Path(cmd[1]), cmd[2], cmd[3]
+            down, fetches = out.parent / f"{out.name}-down", []
+            early = EarlyUpload(store, tenant, job_id, out, out.parent / f"{out.name}-spool",
+                                on_stored=lambda name, stored: fetches.append(
+                                    pool.submit(store.get, stored.key, down / name)))
+        elif cmd[0] == "offer":
+            early.offer()
+        elif cmd[0] == "finish":
+            early.wait()
+            for f in fetches:
+                f.result()
+            conn.send(sorted(p.name for p in down.iterdir()))
+        else:
+            return
+
+
+class StoreTraffic:
+    """The engine in this process with, around it, the object-store traffic one job causes and
+    nothing else of the service: the model PUT through a presigned URL (the client's direct
+    upload) and fetched back with its sha256 checked (the worker), then the conversion while
+    each artifact is snapshotted into S3 (the worker's early-upload code) and fetched back with
+    its sha256 checked (the client's download during the run), all of that in another process.
+    What a service with no plumbing of its own (no gRPC, queue, job records, sandbox, events)
+    would take with this store on these cores; the full stack ÷ this is fxport's own cost."""
+
+    def __init__(self, s3: Any) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=_store_traffic_process, args=(theirs, s3.bucket, s3.endpoint), daemon=True)
+        self._proc.start()
+
+    def run(self, model: Path, out: Path) -> float:
+        from fxport.jobs import new_job_id
+        from fxport.spec import parse_spec
+        from fxport.workers.engine.pipeline import convert
+
+        tenant, job_id = "bench-store-traffic", new_job_id()
+        t0 = time.perf_counter()
+        self._conn.send(("model", str(model), tenant))
+        local, digest = self._conn.recv()
+        self._conn.send(("job", str(out), tenant, job_id))
+        manifest = convert(Path(local), parse_spec(SPEC), out, job_id=job_id, input_sha256=digest,
+                           on_progress=lambda e: self._conn.send(("offer",)) if e.get("stage") in ("export", "verify")
+                           else None)
+        self._conn.send(("finish",))
+        fetched = self._conn.recv()
+        dt = time.perf_counter() - t0
+        assert all(v["passed"] for v in manifest["verification"]), manifest["verification"]
+        assert {"model.ts", "model.onnx"} <= set(fetched), fetched
+        for folder in (out, Path(local).parent, out.parent / f"{out.name}-down", out.parent / f"{out.name}-spool"):
+            discard(folder)
+        return dt
+
+    def close(self) -> None:
+        self._conn.send(("stop",))
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
 def full_stack(client: Any, model: Path, out: Path, early: bool = True) -> dict[str, Any]:
     """`fxport submit -o`'s path: submit, wait with download_to (artifacts stored during the
     run come down meanwhile), the rest downloaded at SUCCEEDED, every file sha256-checked.
@@ -424,6 +513,8 @@ def main() -> None:
                       for i in range(args.repeats + 1)]
         resnets_in2 = [save_variant("resnet18", work / f"resnet18-in2-{i}.pt2", 300 + i, 8)
                        for i in range(args.repeats + 1)]
+        resnets_traffic = [save_variant("resnet18", work / f"resnet18-traffic-{i}.pt2", 400 + i, 8)
+                           for i in range(args.repeats + 1)]
         tinies = [save_variant("tiny_linear", work / f"tiny-{i}.pt2", 1000 + i, 64)
                   for i in range(args.tiny_jobs * args.rounds + 4)]
         os.sync()  # the ~1.5 GB of models just written reach the disk now, not during the measured runs
@@ -461,6 +552,9 @@ def main() -> None:
         # 1. Overhead: engine in-process / sandbox / full stack, interleaved.
         print("overhead (interleaved) …", flush=True)
         inproc, boxed, stack_runs, late_runs, fs_runs, engine_stages, cpu_runs = [], [], [], [], [], [], []
+        traffic_runs: list[float] = []
+        store_traffic = StoreTraffic(s3)
+        running.callback(store_traffic.close)
         # Two worker processes serve queue cpu (the second is for the throughput run): either may take a job.
         stack_pids = {"API server": [stack.api.process.pid],
                       "workers (pools + sandboxes)": [stack.workers["cpu"].pid, extra.pid],
@@ -480,17 +574,20 @@ def main() -> None:
                 with EngineWait(stack_pids["workers (pools + sandboxes)"]) as engine_wait:
                     late = full_stack(client, resnets_late[i], work / f"late-{i}", early=False)
                 fs = full_stack(fs_client, resnets_fs[i], work / f"fs-{i}")
+                traffic = store_traffic.run(resnets_traffic[i], work / f"traffic-{i}")
                 # The machine's speed drifts within a minute: each run's baseline is the mean of an
                 # in-process conversion before the other paths and one after them.
                 t2, _ = engine_in_process(resnets_in2[i], work / f"in2-{i}")
                 print(f"  run {i}: in-process {t:.2f} s and {t2:.2f} s, sandbox {b:.2f} s, full stack {s['total']:.2f} s "
-                      f"(downloads after the job: {late['total']:.2f} s; file store: {fs['total']:.2f} s)", flush=True)
+                      f"(downloads after the job: {late['total']:.2f} s; file store: {fs['total']:.2f} s; "
+                      f"engine with the store's traffic: {traffic:.2f} s)", flush=True)
                 if i:
                     inproc.append((t + t2) / 2)
                     boxed.append(b)
                     stack_runs.append(s)
                     late_runs.append(late)
                     fs_runs.append(fs)
+                    traffic_runs.append(traffic)
                     engine_stages.append(stages)
                     cpu_runs.append((cpu_in, cpu))
                     waits.append((w_in, engine_wait.busiest()[1]))
@@ -538,7 +635,7 @@ def main() -> None:
 
         model_mib = hit_model.stat().st_size / (1 << 20)
     report(args, inproc, boxed, stack_runs, engine_stages, hits, hits_rehash, uploaded_on_hits, hash_t, proofs,
-           tp, tiny_costs, model_mib, late_runs, fs_runs, cpu_runs, contention, weed, floor)
+           tp, tiny_costs, model_mib, late_runs, fs_runs, cpu_runs, contention, weed, floor, traffic_runs)
 
 
 def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[str, Any]],
@@ -546,7 +643,7 @@ def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[s
            hash_t: list[float], proofs: list[dict[str, float]], tp: dict[str, Any], tiny: dict[str, float],
            model_mib: float, late_runs: list[dict[str, Any]], fs_runs: list[dict[str, Any]],
            cpu_runs: list[tuple[float, dict[str, float]]], contention: dict[str, float], weed: dict[str, Any],
-           floor: dict[str, float]) -> None:
+           floor: dict[str, float], traffic_runs: list[float]) -> None:
     med = statistics.median
     full = [r["total"] for r in runs]
     per_run = [r["total"] / t for r, t in zip(runs, inproc)]
@@ -559,6 +656,9 @@ def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[s
     fs_ratio = med(fs_full) / med(inproc)
     fs_paired = med([r["total"] / t for r, t in zip(fs_runs, inproc)])
     box_paired = med([b / t for b, t in zip(boxed, inproc)])
+    traffic_paired = med([x / t for x, t in zip(traffic_runs, inproc)])
+    own_per_run = [r["total"] / x for r, x in zip(runs, traffic_runs)]  # the stack ÷ the same round's store-only run
+    own_paired = med(own_per_run)
     cpu_in = med([c for c, _ in cpu_runs])
     cpu_by = {k: med([c[k] for _, c in cpu_runs]) for k in cpu_runs[0][1]}
     cpu_rows = "\n".join(f"| {k} | {v:.2f} |" for k, v in cpu_by.items())
@@ -608,7 +708,7 @@ def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[s
 Machine: {machine()}, shared with other work while it ran: every comparison below is
 between runs interleaved in the same run of the script. {args.threads} torch thread(s) in every path.
 
-### Overhead: full distributed stack ÷ engine in-process — **{ratio:.2f}×** (target ≤ 1.10)
+### Overhead: full distributed stack ÷ engine in-process — **{ratio:.2f}×** (target ≤ 1.10); ÷ the engine with the object store's traffic and no service — **{own_paired:.2f}×**
 
 ResNet-18-style model ({model_mib:.0f} MiB `.pt2`, dynamic batch 1..8), TorchScript + ONNX, each
 verified against eager. Every run converts a model with its own weights (nothing cached).
@@ -628,6 +728,13 @@ by up to a second of system time each).
 | full stack, the path of `fxport submit -o`: `Client.submit` → gRPC → Redis/Celery → worker sandbox → S3 → `Job.wait(download_to=…)`, every file sha256-checked | {med(full):.2f} | **{ratio:.2f}×** (median ÷ median: {ratio_of_medians:.2f}×) |
 | the same, downloading only after the job ends (`wait()`, then `download()`) | {med(late_full):.2f} | {late_paired:.2f}× (median ÷ median: {late_ratio:.2f}×) |
 | the `submit -o` path again, on a stack whose store is a shared folder (`file://`) instead of SeaweedFS S3 (artifacts relayed by the API) | {med(fs_full):.2f} | {fs_paired:.2f}× (median ÷ median: {fs_ratio:.2f}×) |
+| no service at all, only its object-store traffic: the engine in-process, the model PUT into SeaweedFS through a presigned URL and fetched back before it, each artifact put into S3 while the engine goes on (the worker's early-upload code) and fetched back, every file sha256-checked | {med(traffic_runs):.2f} | {traffic_paired:.2f}× |
+
+**The full stack ÷ that store-only path, round by round: {own_paired:.2f}×** (the rounds:
+{", ".join(f"{x:.2f}" for x in sorted(own_per_run))}). That is what fxport's
+own plumbing (gRPC, the queue, job records, the sandbox, events, the client) adds on this store and
+these cores; the rest of the {ratio:.2f}× is the object store's: moving one job's bytes through
+SeaweedFS on the same two cores, with no service in between, already takes {traffic_paired:.2f}× the engine's time.
 
 Where the full stack's time goes (medians per run; the right column is the same stage in-process):
 
@@ -667,7 +774,7 @@ sandbox alone (fork, limits, the parent re-hashing every artifact) took {sandbox
 in-process. In the stack the engine's stages ran {engine_slower:+.2f} s
 longer than in-process. Two things take it. Work on the other core slows this one (a one-thread
 convolution took {contention["alone_ms"]:.2f} ms alone and {contention["beside_ms"]:.2f} ms beside a busy loop in another
-process: {slowdown:.2f}×; it ranged 1.03–1.41× over earlier runs of this script). And the engine waits for a
+process: {slowdown:.2f}×; 1.03–1.41× over earlier runs of this script on an Intel Xeon VM). And the engine waits for a
 core: its thread was runnable but not running for
 {contention["wait_stack"]:.2f} s per job in the stack (the runs downloading after the job) against {contention["wait_in"]:.2f} s in-process
 (`/proc/<pid>/schedstat`),
