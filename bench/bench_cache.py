@@ -10,10 +10,11 @@ SeaweedFS S3, `fxport serve` with the cache on, one Celery worker with 2 pool pr
    download after the job, the same stack on a shared-filesystem store instead of SeaweedFS
    (what fxport's own plumbing costs without the S3 server's CPU on these cores), the engine
    in-process with one job's object-store traffic around it and no service at all (what the
-   store alone costs on these cores), and the CPU time of every process per job. Runs go in rounds (engine, sandbox, the stack paths, engine
-   again; each path is compared with the mean of its round's two engine runs, since this
-   machine's speed drifts within a minute) and every run converts a model with its own weights,
-   so nothing is answered from the cache or any other cache. Also the engine in its sandbox
+   store alone costs on these cores), and the CPU time of every process per job. Runs go in
+   rounds (engine, sandbox, the stack paths, engine again; each path is compared with the mean
+   of its round's two engine runs, since this machine's speed drifts within a minute) and every
+   run converts a model with its own weights, so nothing is answered from the cache or any
+   other cache. Also the engine in its sandbox
    (`run_engine_job`) to split the difference, and a per-stage timeline of the stack runs.
 2. Cache-hit resubmission of the same model and spec: client hashing + CheckUpload +
    SubmitJob (p50, p99), with the default proof check (bytes re-hashed at most once per
@@ -728,7 +729,7 @@ by up to a second of system time each).
 | full stack, the path of `fxport submit -o`: `Client.submit` → gRPC → Redis/Celery → worker sandbox → S3 → `Job.wait(download_to=…)`, every file sha256-checked | {med(full):.2f} | **{ratio:.2f}×** (median ÷ median: {ratio_of_medians:.2f}×) |
 | the same, downloading only after the job ends (`wait()`, then `download()`) | {med(late_full):.2f} | {late_paired:.2f}× (median ÷ median: {late_ratio:.2f}×) |
 | the `submit -o` path again, on a stack whose store is a shared folder (`file://`) instead of SeaweedFS S3 (artifacts relayed by the API) | {med(fs_full):.2f} | {fs_paired:.2f}× (median ÷ median: {fs_ratio:.2f}×) |
-| no service at all, only its object-store traffic: the engine in-process, the model PUT into SeaweedFS through a presigned URL and fetched back before it, each artifact put into S3 while the engine goes on (the worker's early-upload code) and fetched back, every file sha256-checked | {med(traffic_runs):.2f} | {traffic_paired:.2f}× |
+| no service at all, only its object-store traffic: the engine in-process, the model PUT into SeaweedFS through a presigned URL and fetched back before it, each artifact put into S3 while the engine goes on (the worker's early-upload code) and fetched back, every file sha256-checked, all of that from a process of its own as in the stack | {med(traffic_runs):.2f} | {traffic_paired:.2f}× |
 
 **The full stack ÷ that store-only path, round by round: {own_paired:.2f}×** (the rounds:
 {", ".join(f"{x:.2f}" for x in sorted(own_per_run))}). That is what fxport's
