@@ -196,7 +196,7 @@ def test_s3_unreachable_past_the_retry_budget_names_endpoint_tries_and_time(tmp_
     m = re.search(r"unreachable at (\S+) after (\d+) attempts over ([\d.]+) s", str(err.value))
     assert m and m.group(1) == dead and int(m.group(2)) >= 2
     assert float(m.group(3)) <= took + 0.05  # the reported time is the time it took
-    assert took < 5.0 + 3.5  # it gave up: the budget plus at most one more attempt
+    assert took < 5.0 + 5  # it gave up: the budget plus at most one more attempt (up to ~3 s here)
     assert err.value.code == "store_unreachable"
 
 
