@@ -9,8 +9,8 @@
 
 A model the server already holds (same sha256) is not sent again. One it lacks goes straight
 to the object store through a presigned PUT the server offers (S3 stores, 16 MiB and up), else
-it streams through the server in 1 MiB chunks. `Job.wait` follows WatchJob and, when the connection drops, resumes from the last
-event it saw.
+it streams through the server in 1 MiB chunks. `Job.wait` follows WatchJob and, when the
+connection drops, resumes from the last event it saw.
 
 UNAVAILABLE is retried with exponential backoff: for up to `retry_s` when the server says a
 backend of its own (Redis, the object store) is down, briefly when the server itself cannot

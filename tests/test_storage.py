@@ -200,6 +200,34 @@ def test_s3_unreachable_past_the_retry_budget_names_endpoint_tries_and_time(tmp_
     assert err.value.code == "store_unreachable"
 
 
+def test_no_retry_starts_past_the_budget_whatever_the_jitter(monkeypatch):
+    """The budget is checked against the pause actually taken: with the jitter at its largest
+    (1.2x), a check against the bare delay (0.2 s, then 0.4 s) would let a third attempt start
+    at ~0.72 s, past a 0.65 s budget. Attempts here fail at once, so the time taken is the
+    pauses'."""
+    import random
+    import time
+
+    from botocore.exceptions import EndpointConnectionError
+
+    from fxport.storage import StoreUnreachable
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    store = S3Store("bucket", "p", endpoint_url="http://127.0.0.1:1", retry_s=0.65)
+    monkeypatch.setattr(random, "uniform", lambda lo, hi: hi)
+    attempts = []
+
+    def refused() -> None:
+        attempts.append(time.monotonic())
+        raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachable, match=r"after 2 attempts"):
+        store._retry("upload x", refused)
+    assert attempts[-1] - t0 <= 0.65 and len(attempts) == 2
+
+
 def test_only_connection_failures_and_5xx_are_retried():
     from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import ClientError, EndpointConnectionError
