@@ -3,7 +3,7 @@
 Each mode converts the same tiny model (TorchScript target, verified) several times; the in-process
 engine call is the baseline the overhead is measured against. Then a ResNet-18 job (TorchScript
 + ONNX, verified) in-process and in two warm sandboxes side by side: one whose zygote runs with
-glibc's malloc defaults, one with fxport's (workers/sandbox.py SANDBOX_MALLOC_TUNABLES), with
+glibc's malloc defaults, one with fxport's (workers/sandbox/launch.py SANDBOX_MALLOC_TUNABLES), with
 the children's page faults and system time from the zygote's own accounting.
 
     python bench/bench_sandbox.py      # writes the "sandbox" section of docs/benchmarks.md
@@ -40,7 +40,7 @@ def children_usage(pid: int) -> tuple[float, float, int]:
 def start_zygote(*, huge_pages: bool = True, malloc_tunables: str | None = None):  # noqa: ANN201 - a WarmSandbox
     """A warm sandbox of its own, started now with these settings (the module's are read when
     a zygote starts, then put back)."""
-    from fxport.workers import sandbox
+    from fxport.workers.sandbox import launch as sandbox
 
     saved = sandbox.SANDBOX_HUGE_PAGES, sandbox.SANDBOX_MALLOC_TUNABLES
     sandbox.SANDBOX_HUGE_PAGES = huge_pages
@@ -60,7 +60,7 @@ def malloc_settings_side_by_side(work: Path) -> list[str]:
     import torch
 
     from bench.bench_cache import save_variant
-    from fxport.workers import sandbox
+    from fxport.workers.sandbox import launch as sandbox
     from fxport.workers.engine.pipeline import convert
 
     torch.set_num_threads(1)
@@ -118,7 +118,7 @@ def own_cpu(pid: int) -> float:
 
 
 def main() -> None:
-    from fxport.workers import sandbox
+    from fxport.workers.sandbox import launch as sandbox
     from fxport.workers.engine.pipeline import convert
 
     case = get("tiny_linear")

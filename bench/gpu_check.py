@@ -107,7 +107,7 @@ def environment() -> dict[str, Any]:
     identity = probe_device_identity()
     return {"gpu": torch.cuda.get_device_name(0), "compute_capability": "%d.%d" % torch.cuda.get_device_capability(0),
             "tensorrt": trt.__version__, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-            "cuda_driver": cuda_driver_version(), "timing_cache_key": cache_key(identity) if identity else None}
+            "cuda_driver": cuda_driver_version(), "timing_cache_key": cache_key(identity, None) if identity else None}
 
 
 def warm_up_process(tmp: Path) -> None:

@@ -1,13 +1,18 @@
-"""`fxport convert`: run the engine in this process, no servers (the newcomer's first try).
+"""`fxport convert`: convert a model on this machine, no servers (the newcomer's first try).
 
-The model is the user's own file on their own machine, so it runs in-process here; the
-service always runs models in the sandbox instead.
+A `.pt2`, torch.package or TorchScript file runs code when it is loaded, and a model from the
+internet is no more trustworthy on a laptop than on a shared worker. So `convert` runs the
+engine in the same sandbox as the workers (a child process with no sockets, reads limited to
+Python, its packages and the model, writes to the output folder only; workers/sandbox/), and
+this process never loads the model. `--no-sandbox` runs it in this process instead, for a
+model the user trusts, and says so.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -67,8 +72,10 @@ def convert_command(
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data (.npz/.safetensors)."),
     out: Path = typer.Option(Path("fxport-out"), "--out", "-o", help="Output folder for artifacts + manifest.json."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout and nothing else."),
+    no_sandbox: bool = typer.Option(False, "--no-sandbox", help="Load and run the model in this process, outside "
+                                    "the sandbox: only for a model you trust (it runs with your rights)."),
 ) -> None:
-    """Convert a model in this process and verify every artifact against it."""
+    """Convert a model in a sandbox and verify every artifact against it."""
     err = Console(stderr=True)
     try:
         base = load_spec_file(spec) if spec else {}
@@ -80,12 +87,21 @@ def convert_command(
         _fail(exc, err, as_json, code=EXIT_USAGE)
         return
 
-    from fxport.workers.engine.pipeline import convert
-
     manifest: dict[str, Any] | None = None
     try:
         with StageProgress(err, enabled=not as_json) as progress:
-            manifest = convert(model, job_spec, out, calibration_path=calibration, on_progress=progress)
+            if no_sandbox:
+                from fxport.workers.engine.pipeline import convert
+
+                err.print("[yellow]warning:[/] --no-sandbox: the model is loaded and run in this process, with your "
+                          "rights (its pickles can run any code); use it only for a model you trust", highlight=False)
+                manifest = convert(model, job_spec, out, calibration_path=calibration, on_progress=progress)
+            else:
+                from fxport.workers.sandbox import run_engine_job
+
+                # A fresh interpreter, not a warm zygote: one job pays one `import torch` either way.
+                manifest = run_engine_job(model, job_spec, out, job_id=f"local-{uuid.uuid4().hex[:12]}",
+                                          calibration_path=calibration, on_progress=progress, warm=False)
     except FxportError as exc:
         manifest_path = out / "manifest.json"
         if as_json and manifest_path.exists():

@@ -7,6 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fxport.isolation import describe_layers
+
 
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -58,6 +60,11 @@ def render_manifest(manifest: dict[str, Any], console: Console) -> None:
         console.print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     for w in manifest.get("warnings", []):
         console.print(f"[yellow]warning:[/] {w}")
+    box = manifest.get("sandbox")
+    if isinstance(box, dict):
+        have, missing = describe_layers(box)
+        console.print(f"sandbox: {', '.join(have) or 'none'}"
+                      + (f" [yellow](without: {', '.join(missing)})[/]" if missing else ""), highlight=False)
 
 
 QUANT_ROWS = 10  # worst layers shown on the terminal; manifest.json has them all

@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     max_jobs_in_flight: int = Field(100, ge=1, description="Jobs one tenant may have QUEUED or RUNNING at once.")
     max_job_memory_mb: int = Field(16384, ge=256, description="Ceiling on a job's spec.limits.memory_mb (sandbox address space).")
     max_job_timeout_s: int = Field(1800, ge=10, description="Ceiling on a job's spec.limits.timeout_s (sandbox wall clock).")
+    events_ttl_s: int = Field(
+        7 * 24 * 3600, ge=60, description="A job's event stream (Redis) expires this long after its last event; "
+        "WatchJob on an older job then answers with its final state alone. The job record itself is kept.")
     # Reliability (deploy/README.md, "Reliability"). A dead worker's job is redelivered within
     # about visibility_timeout_s + unacked_restore_interval_s; a live worker keeps its job's
     # message invisible and holds a job lease, so no second worker starts it meanwhile.

@@ -103,3 +103,17 @@ class ResourceLimitExceeded(FxportError):
 
 class JobCancelled(FxportError):
     code = "cancelled"
+
+
+class SandboxViolation(FxportError):
+    """The model broke a rule of its sandbox: it left a link or a FIFO among its outputs, wrote
+    an oversized result or too many files, or wrote to the sandbox's event channel."""
+
+    code = "sandbox_violation"
+
+
+class SandboxUnavailable(FxportError):
+    """A layer the worker requires (FXPORT_SANDBOX_REQUIRE) could not be applied, or the child
+    found state inherited from its warm parent: the model was not run."""
+
+    code = "sandbox_unavailable"

@@ -421,6 +421,7 @@ if ARGV[4] ~= '' then
 end
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'state', ARGV[3], 'seq', 1)
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '0-1', 'e', ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[8])
 redis.call('ZADD', KEYS[3], 0, ARGV[1])
 if ARGV[7] == '1' then redis.call('SADD', KEYS[5], ARGV[1]) end
 return ARGV[1]
@@ -451,13 +452,19 @@ return redis.call('DEL', KEYS[1])
 
 
 class RedisJobStore(JobStore):
-    EVENTS_MAXLEN = 10_000
+    # A job's event stream: at most ~EVENTS_MAXLEN events (each message ≤ 500 characters: the
+    # sandbox's events are checked and cut, workers/sandbox/events.py), expiring events_ttl_s
+    # after the last one, so no job can grow Redis without bound.
+    EVENTS_MAXLEN = 2_000
+    EVENTS_TTL_S = 7 * 24 * 3600
     HEARTBEAT_KEEP_S = 7 * 24 * 3600
 
-    def __init__(self, url: str, *, namespace: str = "fxport", retry_s: float = 0.0) -> None:
+    def __init__(self, url: str, *, namespace: str = "fxport", retry_s: float = 0.0,
+                 events_ttl_s: int | None = None) -> None:
         """`retry_s`: how long a command keeps retrying (backoff up to 1 s) while Redis is
         unreachable or still replaying its AOF. Workers ride out a broker restart this way;
         the API keeps it short and answers UNAVAILABLE instead (service/unavailable.py)."""
+        self.events_ttl_s = int(events_ttl_s or self.EVENTS_TTL_S)
         import redis
         from redis.backoff import ExponentialWithJitterBackoff
         from redis.retry import Retry
@@ -510,7 +517,7 @@ class RedisJobStore(JobStore):
                   self._idem(rec.tenant, idem) if idem else f"{self.ns}:noidem", self._in_flight(rec.tenant)],
             args=[rec.id, rec.model_dump_json(), rec.state.value, idem,
                   event_for(rec, 1).model_dump_json(), self.EVENTS_MAXLEN,
-                  "1" if rec.state in IN_FLIGHT_STATES else "0"],
+                  "1" if rec.state in IN_FLIGHT_STATES else "0", self.events_ttl_s],
         )
         if job_id == rec.id:
             return rec, True
@@ -552,6 +559,7 @@ class RedisJobStore(JobStore):
                     event = event_for(new, new.last_seq, changes.get("staged"))
                     pipe.xadd(self._events(job_id), {"e": event.model_dump_json()},
                               id=f"0-{new.last_seq}", maxlen=self.EVENTS_MAXLEN, approximate=True)
+                    pipe.expire(self._events(job_id), self.events_ttl_s)
                     if new.state is JobState.RUNNING:
                         pipe.sadd(self._running(), job_id)
                     elif rec.state is JobState.RUNNING:
@@ -664,6 +672,7 @@ CREATE TABLE IF NOT EXISTS leases (
 
 class SqliteJobStore(JobStore):
     POLL_S = 0.2  # how often a waiter re-reads, for writers in other processes
+    EVENTS_MAXLEN = 2_000  # events kept per job (the oldest go first), as in Redis
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -727,6 +736,8 @@ class SqliteJobStore(JobStore):
             db.execute("UPDATE jobs SET state=?, record=? WHERE id=?", (new.state.value, new.model_dump_json(), job_id))
             event = event_for(new, new.last_seq, changes.get("staged"))
             db.execute("INSERT INTO events VALUES (?,?,?)", (job_id, new.last_seq, event.model_dump_json()))
+            if new.last_seq > self.EVENTS_MAXLEN and new.last_seq % 100 == 0:  # trimmed now and then, as Redis does
+                db.execute("DELETE FROM events WHERE job_id=? AND seq<=?", (job_id, new.last_seq - self.EVENTS_MAXLEN))
         return new, True
 
     def read_events(self, job_id: str, after_seq: int = 0, timeout: float = 0.0) -> list[JobEvent]:
@@ -892,11 +903,12 @@ def sweep_orphans(
     return result
 
 
-def open_job_store(url: str | None, home: Path, *, retry_s: float = 0.0) -> JobStore:
+def open_job_store(url: str | None, home: Path, *, retry_s: float = 0.0, events_ttl_s: int | None = None) -> JobStore:
     """`redis://…` → RedisJobStore; None → SQLite under `home`; `sqlite:///path` → that file.
-    `retry_s`: RedisJobStore's retry budget for an unreachable Redis."""
+    `retry_s`: RedisJobStore's retry budget for an unreachable Redis; `events_ttl_s`: how long
+    its event streams outlive their last event."""
     if url and url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisJobStore(url, retry_s=retry_s)
+        return RedisJobStore(url, retry_s=retry_s, events_ttl_s=events_ttl_s)
     if url and url.startswith("sqlite:///"):
         return SqliteJobStore(Path(url[len("sqlite:///") - 1 :]))
     if url:

@@ -12,7 +12,7 @@ Libraries, both optional at run time so the report never crashes for lack of the
 A missing one leaves a note in its section and the tables still render.
 
 Who runs `dot` is the caller's choice (`layout`): by default a plain subprocess; a worker passes
-one confined like its sandbox (fxport/workers/sandbox_confine.py `confined_dot`), since the
+one confined like its sandbox (fxport/workers/sandbox/confine.py `confined_dot`), since the
 sandboxed engine itself may not start processes. Layouts are remembered by the sha256 of the
 DOT source: the same architecture (new weights, a rerun, graph_after == graph_before when no
 pass changed anything) is laid out once per process.

@@ -89,6 +89,11 @@ def check_artifact_name(name: str) -> str:
     return name
 
 
+def check_tenant(tenant: str) -> str:
+    """A tenant name as keys use it (InvalidKey otherwise)."""
+    return _check(TENANT_RE, tenant, "tenant")
+
+
 def input_key(tenant: str, sha256: str) -> str:
     return f"{_check(TENANT_RE, tenant, 'tenant')}/inputs/{_check(SHA256_RE, sha256, 'sha256')}"
 

@@ -148,7 +148,7 @@ def create_server(
     tls = server_credentials(settings)
     artifacts = open_store(settings.store_url(), retry_s=settings.store_retry_s)
     # A blip is retried for a second; a longer outage answers UNAVAILABLE (service/unavailable.py).
-    jobs = open_job_store(settings.job_store_url(), settings.home, retry_s=1.0)
+    jobs = open_job_store(settings.job_store_url(), settings.home, retry_s=1.0, events_ttl_s=settings.events_ttl_s)
     if settings.metrics_port is not None:
         from fxport.metrics import MeteredJobStore
 

@@ -405,8 +405,10 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 yield event_to_proto(ev)
             if not events:
                 current = self.jobs.get(rec.id)
-                if current is not None and current.terminal and current.last_seq <= after:
-                    # Resuming past the end (or the stream was trimmed): one terminal event.
+                if current is not None and current.terminal and (
+                        current.last_seq <= after or not self.jobs.read_events(rec.id, after)):
+                    # Resuming past the end, or the stream was trimmed or has expired (events_ttl_s):
+                    # one terminal event, from the record.
                     yield self._terminal_event(current)
                     return
 

@@ -22,12 +22,14 @@ and early objects of files that are gone are deleted.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from fxport.storage import StoredObject, artifact_key, check_artifact_name
+
+if TYPE_CHECKING:
+    from fxport.workers.sandbox.beneath import OutputFile
 
 log = logging.getLogger(__name__)
 
@@ -76,40 +78,40 @@ class EarlyUpload:
             except Exception as exc:  # the late upload does it all; the next offer scans again
                 log.warning("early upload scan failed: %s", exc)
 
-    def _files(self) -> list[Path]:
-        """The regular files under out_dir now. os.walk, unlike Path.rglob, passes over a folder
-        that disappears while it is listed (the engine removes its staging folder while we scan)."""
-        found = []
-        for folder, dirs, files in os.walk(self.out_dir):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            found.extend(Path(folder) / f for f in files)
-        return sorted(found)
-
     def _scan(self) -> None:
-        for path in self._files():
-            if self._stop.is_set() or self._closing.is_set():
-                return
-            if path.is_symlink() or not path.is_file():
-                continue
-            name = path.relative_to(self.out_dir).as_posix()
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            if name in LATE_FILES or name.startswith(".") or self._seen.get(name) == (st.st_size, st.st_mtime_ns):
-                continue
-            try:
-                key = artifact_key(self.tenant, self.job_id, check_artifact_name(name))
-                self.uploaded[name] = self.artifacts.put_snapshot(key, path, spool_dir=self.spool_dir)
-                self._seen[name] = (st.st_size, st.st_mtime_ns)
-            except Exception as exc:  # the late upload does it again; nothing is lost
-                log.info("early upload of %s failed (it is retried after verification): %s", name, exc)
-                continue
-            if self.on_stored is not None and not self._stop.is_set():
+        """Each new file under out_dir, opened beneath it with no link followed and snapshotted
+        from that open file (workers/sandbox/beneath.py): the child may swap a folder for a
+        symlink at any moment, and the worker must never read through it. Names that are links,
+        FIFOs or hard links, or vanish while listed, are passed over here; the upload after the
+        child exits refuses them. Hidden names (the engine's staging folder) are not listed."""
+        from fxport.workers.sandbox import beneath
+        from fxport.workers.sandbox.run import MAX_OUTPUT_FILES
+
+        with beneath.opened_dir(self.out_dir) as out_fd:
+            for f in beneath.walk_files(out_fd, strict=False, max_files=MAX_OUTPUT_FILES, skip_hidden=True):
                 try:
-                    self.on_stored(name, self.uploaded[name])
-                except Exception as exc:  # only an offer to the client: the job goes on
-                    log.info("could not announce the early upload of %s: %s", name, exc)
+                    if self._stop.is_set() or self._closing.is_set():
+                        return
+                    self._offer_file(f)
+                finally:
+                    f.close()
+
+    def _offer_file(self, f: "OutputFile") -> None:
+        name = f.name
+        if name in LATE_FILES or self._seen.get(name) == (f.size, f.mtime_ns):
+            return
+        try:
+            key = artifact_key(self.tenant, self.job_id, check_artifact_name(name))
+            self.uploaded[name] = self.artifacts.put_snapshot(key, f.path, spool_dir=self.spool_dir)
+            self._seen[name] = (f.size, f.mtime_ns)
+        except Exception as exc:  # the late upload does it again; nothing is lost
+            log.info("early upload of %s failed (it is retried after verification): %s", name, exc)
+            return
+        if self.on_stored is not None and not self._stop.is_set():
+            try:
+                self.on_stored(name, self.uploaded[name])
+            except Exception as exc:  # only an offer to the client: the job goes on
+                log.info("could not announce the early upload of %s: %s", name, exc)
 
     def wait(self) -> dict[str, StoredObject]:
         """Finish the file in flight and stop (at once, if nothing started)."""

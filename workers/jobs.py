@@ -2,7 +2,7 @@
 tasks (workers/tasks.py) and the embedded worker pool (service/embedded.py).
 
 `execute_job(job_id, ctx)`:
-  fetch inputs to a temp dir → run the engine in its sandbox (workers/sandbox.py) →
+  fetch inputs to a temp dir → run the engine in its sandbox (workers/sandbox/) →
   upload every output file under `{tenant}/jobs/{job_id}/{name}` → record SUCCEEDED with
   the artifacts, or FAILED with {stage, code, message}. Progress events go to the job store
   as they come. With a `tensorrt` target, the CPU part ends by handing the job to the
@@ -19,7 +19,6 @@ import inspect
 import json
 import logging
 import os
-import signal
 import socket
 import tempfile
 import threading
@@ -81,7 +80,7 @@ class WorkerContext:
         params = inspect.signature(engine).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             for optional in ("cancel_event", "deferred_targets", "timing_cache_path",
-                             "input_sha256"):  # newer than some engines
+                             "input_sha256", "work_parent"):  # newer than some engines
                 if optional in kwargs and optional not in params:
                     kwargs.pop(optional)
         return engine(*args, **kwargs)
@@ -107,42 +106,52 @@ def upload_outputs(
     ctx: WorkerContext, rec: JobRecord, out_dir: Path, manifest: dict[str, Any] | None, only: tuple[str, ...] | None = None,
     early: dict[str, StoredObject] | None = None,
 ) -> list[ArtifactRecord]:
-    """Upload every regular file under out_dir (name = relative path); symlinks are refused.
+    """Upload every regular file under out_dir (name = relative path), or the names in `only`.
 
-    `early`: what an EarlyUpload already stored (workers/artifact_upload.py). One is kept when
-    its digest is the file's: the manifest's, which the sandbox validated against the file
-    (`ctx.engine` unset: run_engine_job), or else the file's digest now."""
-    from fxport.storage import sha256_file
+    The sandbox wrote out_dir: each file is opened beneath it without following links, and
+    hashed and uploaded from that open file (workers/sandbox/beneath.py); a link, FIFO or hard
+    link anywhere fails the upload. `early`: what an EarlyUpload already stored
+    (workers/artifact_upload.py). One is kept when its digest is the file's: the manifest's,
+    which the sandbox validated against the file (`ctx.engine` unset: run_engine_job), or else
+    the file's digest now."""
+    from fxport.digest import sha256_file
+    from fxport.workers.sandbox import beneath
+    from fxport.workers.sandbox.run import MAX_OUTPUT_FILES
 
     formats = {a.get("path"): a.get("format") for a in (manifest or {}).get("artifacts", []) if a.get("path")}
     validated = {a.get("path"): a.get("sha256") for a in (manifest or {}).get("artifacts", [])} if ctx.engine is None else {}
     early = dict(early or {})
-    todo: list[tuple[str, str, Path, StoredObject | None]] = []
-    for path in sorted(out_dir.rglob("*")):
-        if path.is_symlink():
-            raise FxportError(f"output {path.name!r} is a symlink; refusing to upload it", stage="upload",
-                              detail=str(path))
-        if not path.is_file():
-            continue
-        name = path.relative_to(out_dir).as_posix()
-        if only is not None and name not in only:
-            continue
-        todo.append((name, artifact_key(rec.tenant, rec.id, check_artifact_name(name)), path, early.pop(name, None)))
-
-    def store(item: tuple[str, str, Path, StoredObject | None]) -> ArtifactRecord:
-        name, key, path, before = item
-        if before is not None and before.sha256 == (validated.get(name) or sha256_file(path)[0]):
-            stored = before
+    with beneath.opened_dir(out_dir) as out_fd:
+        if only is None:
+            files = list(beneath.walk_files(out_fd, strict=True, max_files=MAX_OUTPUT_FILES))
         else:
-            stored = ctx.artifacts.put_file(key, path)
-        return ArtifactRecord(name=name, format=artifact_format(name, formats), key=key,
-                              bytes=stored.bytes, sha256=stored.sha256)
+            files = []
+            for name in only:
+                try:
+                    files.append(beneath.open_file(out_fd, name))
+                except FileNotFoundError:
+                    continue
+        try:
+            todo = [(f.name, artifact_key(rec.tenant, rec.id, check_artifact_name(f.name)), f, early.pop(f.name, None))
+                    for f in files]
 
-    # A few objects at once: each is mostly a round trip to the store.
-    from concurrent.futures import ThreadPoolExecutor
+            def store(item: tuple[str, str, beneath.OutputFile, StoredObject | None]) -> ArtifactRecord:
+                name, key, f, before = item
+                if before is not None and before.sha256 == (validated.get(name) or sha256_file(f.path)[0]):
+                    stored = before
+                else:
+                    stored = ctx.artifacts.put_file(key, f.path)
+                return ArtifactRecord(name=name, format=artifact_format(name, formats), key=key,
+                                      bytes=stored.bytes, sha256=stored.sha256)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(4, len(todo)))) as pool:
-        uploaded = list(pool.map(store, todo))
+            # A few objects at once: each is mostly a round trip to the store.
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=max(1, min(4, len(todo)))) as pool:
+                uploaded = list(pool.map(store, todo))
+        finally:
+            for f in files:
+                f.close()
     for gone in early.values():  # uploaded early, no longer an output
         ctx.artifacts.delete_object(gone.key)
     return uploaded
@@ -197,40 +206,11 @@ class _CancelWatch:
 
 
 def kill_sandboxes_of(job_id: str) -> int:
-    """Kill the sandbox process group(s) running `job_id` below this process.
+    """Kill the sandbox child(ren) this process started for `job_id` (workers/sandbox/launch.py
+    keeps them by job while they run); returns how many. Nothing a child wrote is consulted."""
+    from fxport.workers.sandbox import kill_job
 
-    The engine contract has no cancel hook, so the sandbox is found by what every launch
-    mode shares: it runs with its private work folder as cwd, and that folder's
-    request.json names the job. Searched among all descendants, since a warm sandbox is a
-    child of the zygote, not of this process.
-    """
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return 0
-    children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    todo, descendants = [os.getpid()], []
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            descendants.append(child)
-            todo.append(child)
-    killed = 0
-    for pid in descendants:
-        try:
-            request = json.loads((Path(os.readlink(f"/proc/{pid}/cwd")) / "request.json").read_text())
-            if request.get("job_id") != job_id:
-                continue
-            os.killpg(os.getpgid(pid), signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
-            killed += 1
-        except (OSError, ValueError, AttributeError):
-            continue
-    return killed
+    return kill_job(job_id)
 
 
 def execute_job(job_id: str, ctx: WorkerContext, *, final_attempt: bool = True,
@@ -328,17 +308,21 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
     early: list[EarlyUpload] = []  # set once out_dir exists
     written = {"at": time.monotonic()}
 
+    seen_stages: set[str] = set()
+
     def on_progress(event: dict[str, Any]) -> None:
         stage = event.get("stage") or current["stage"]
-        new_stage = stage != current["stage"]
+        first_of_stage = stage not in seen_stages
+        seen_stages.add(stage)
         current["stage"] = stage
         if cancel.event.is_set():
             return
         if stage in ("export", "verify") and early and ctx.settings.early_upload:  # go up while the engine works on
             early[0].offer()
-        # A new stage is recorded at once; progress within a stage at most every PROGRESS_EVERY_S
-        # (each record update is a read-modify-write of the whole record in the job store).
-        if not new_stage and time.monotonic() - written["at"] < PROGRESS_EVERY_S:
+        # A stage's first event is recorded at once; the rest at most every PROGRESS_EVERY_S, so
+        # a model that floods its events (the sandbox checks and bounds each one) costs the job
+        # store a few writes a second, whatever it sends (each update rewrites the whole record).
+        if not first_of_stage and time.monotonic() - written["at"] < PROGRESS_EVERY_S:
             return
         written["at"] = time.monotonic()
         ctx.jobs.transition(job_id, stage=stage, progress=event.get("progress"), message=event.get("message"))
@@ -368,6 +352,7 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
                 on_progress=on_progress, timeout_s=timeout, cancel_event=cancel.event,
                 deferred_targets=("tensorrt",) if wants_trt else (),
                 input_sha256=rec.model.sha256,  # `get` just checked the bytes against it
+                work_parent=tmp,  # the sandbox's folder beside this job's own, apart from every other job's
             )
             if cancel.event.is_set():
                 raise JobCancelled("cancelled by request", stage=current["stage"])
@@ -492,6 +477,7 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
         cpu_manifest: dict[str, Any] | None = None
         try:
             from fxport.workers.engine.tensorrt.timing_cache import fetch_shared_cache, publish_shared_cache
+            from fxport.workers.sandbox import beneath
 
             onnx_path = tmp / "input" / "model.onnx"
             ctx.artifacts.get(onnx.key, onnx_path)
@@ -499,20 +485,30 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
                 ctx.artifacts.get(earlier["model.onnx.data"].key, onnx_path.with_name("model.onnx.data"))
             cpu_manifest = _stored_manifest(ctx, earlier.get("manifest.json"), tmp / "cpu-manifest.json")
             spec = _with_cpu_signature(spec, cpu_manifest)
-            cache = (fetch_shared_cache(ctx.artifacts, tmp / "cache" / "timing.cache")
+            cache = (fetch_shared_cache(ctx.artifacts, tmp / "cache" / "timing.cache",
+                                        tenant=None if ctx.settings.cache_share_across_tenants else rec.tenant)
                      if spec.tensorrt.timing_cache == "shared" else None)
+            last_write = [0.0]
+
+            def on_progress(event: dict[str, Any]) -> None:  # at most every PROGRESS_EVERY_S, as for the CPU stage
+                if time.monotonic() - last_write[0] >= PROGRESS_EVERY_S:
+                    last_write[0] = time.monotonic()
+                    ctx.jobs.transition(job_id, stage="tensorrt", progress=event.get("progress"),
+                                        message=event.get("message"))
+
             trt_manifest = ctx.run_engine(
                 onnx_path, spec, out_dir, job_id=job_id,
-                on_progress=lambda e: ctx.jobs.transition(job_id, stage="tensorrt", progress=e.get("progress"),
-                                                          message=e.get("message")),
+                on_progress=on_progress,
                 timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s),
                 timing_cache_path=cache.path if cache is not None else None,
+                work_parent=tmp,
             )
             if cache is not None:  # written back under the same key, if the build added timings
                 trt_manifest.setdefault("tensorrt", {})["shared_timing_cache"] = publish_shared_cache(ctx.artifacts, cache)
                 trt_manifest.setdefault("warnings", []).extend(cache.warnings)
             merged = _merge_manifests(cpu_manifest, trt_manifest)
-            (out_dir / "manifest.json").write_text(json.dumps(merged, indent=2, default=str))
+            with beneath.opened_dir(out_dir) as out_fd:
+                beneath.replace_file(out_fd, "manifest.json", json.dumps(merged, indent=2, default=str).encode())
             _rewrite_report(out_dir / "manifest.json")
             new = {a.name: a for a in upload_outputs(ctx, rec, out_dir, trt_manifest)}
         except StorageError as exc:
@@ -534,13 +530,16 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
 def _merge_failed_manifest(cpu_manifest: dict[str, Any] | None, path: Path) -> None:
     """A failed tensorrt stage publishes the CPU stage's manifest plus the stage's findings and error,
     not the stage's manifest alone (which would hide everything the CPU stage recorded)."""
-    if cpu_manifest is None or path.is_symlink() or not path.is_file():  # the sandbox wrote out_dir: no links
+    from fxport.workers.sandbox import MAX_MANIFEST_BYTES, beneath
+
+    if cpu_manifest is None:
         return
     try:
-        failed = json.loads(path.read_text())
-        merged = _merge_manifests(cpu_manifest, failed)
-        merged.update(status="failed", error=failed.get("error"))
-        path.write_text(json.dumps(merged, indent=2, default=str))
+        with beneath.opened_dir(path.parent) as out_fd:  # the sandbox wrote that folder: no links followed
+            failed = json.loads(beneath.read_bounded(out_fd, path.name, MAX_MANIFEST_BYTES, path.name))
+            merged = _merge_manifests(cpu_manifest, failed)
+            merged.update(status="failed", error=failed.get("error"))
+            beneath.replace_file(out_fd, path.name, json.dumps(merged, indent=2, default=str).encode())
         _rewrite_report(path)
     except Exception as exc:
         log.warning("could not merge the failed stage's manifest: %s", exc)

@@ -33,7 +33,8 @@ def context() -> WorkerContext:
         settings = Settings()
         _ctx = WorkerContext(
             # Ride out a broker restart (AOF replay) instead of failing the attempt mid-job.
-            jobs=_metered(open_job_store(settings.job_store_url(), settings.home, retry_s=JOB_STORE_RETRY_S),
+            jobs=_metered(open_job_store(settings.job_store_url(), settings.home, retry_s=JOB_STORE_RETRY_S,
+                                        events_ttl_s=settings.events_ttl_s),
                           settings),
             artifacts=open_store(settings.store_url(), retry_s=settings.store_retry_s),
             settings=settings,

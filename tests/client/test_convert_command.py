@@ -91,3 +91,75 @@ def test_verification_mismatch_exits_1(model: Path, tmp_path: Path) -> None:
     assert "do not match" in proc.stderr
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert manifest["status"] == "failed" and manifest["error"]["stage"] == "verify"
+
+
+PROBE_MODEL = """
+import builtins, os, torch
+if __name__ != "probe_model":  # loaded from the archive (torch.package renames it), not packed by the test
+    seen = [f"sandbox={{os.environ.get('FXPORT_SANDBOX')}}", f"secret={{os.environ.get('FXPORT_PROBE_SECRET')}}"]
+    try:
+        with open({marker!r}) as f:
+            seen.append("read " + f.read())
+    except OSError as exc:
+        seen.append(f"refused: {{exc.strerror}}")
+    try:
+        name = "socket"  # by name: torch.package would bundle an `import socket`
+        builtins.__import__(name).socket()
+        seen.append("socket made")
+    except OSError as exc:
+        seen.append(f"no socket: {{exc.strerror}}")
+    raise RuntimeError("PROBE " + " | ".join(seen))
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x
+"""
+
+
+def probe_package(tmp_path: Path, marker: Path) -> Path:
+    """A torch.package that, when loaded, reports where it runs and what it can reach, then fails."""
+    import importlib
+
+    from torch.package import PackageExporter
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe_model.py").write_text(PROBE_MODEL.format(marker=str(marker)))
+    sys.path.insert(0, str(src))
+    try:
+        module = importlib.import_module("probe_model")
+        path = tmp_path / "probe.pkg"
+        with PackageExporter(str(path)) as exporter:
+            exporter.extern("torch.**")
+            exporter.intern("probe_model")
+            exporter.save_pickle("model", "model.pkl", module.Model())
+        return path
+    finally:
+        sys.path.remove(str(src))
+        sys.modules.pop("probe_model", None)
+
+
+def test_convert_runs_a_downloaded_model_in_the_sandbox(tmp_path: Path) -> None:
+    """A .pt2 or torch.package runs its code when loaded: `fxport convert` loads it in the
+    same sandbox as a worker, not in the user's process with the user's rights."""
+    marker = tmp_path / "private-notes.txt"
+    marker.write_text("the user's own file")
+    model = probe_package(tmp_path, marker)
+    env_proc = subprocess.run([*FXPORT, "convert", str(model), "--input", "x:2,4", "-t", "onnx",
+                               "--out", str(tmp_path / "o")], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "FXPORT_PROBE_SECRET": "s3cr3t", "COLUMNS": "200"})
+    assert env_proc.returncode != 0
+    text = env_proc.stderr
+    assert "PROBE sandbox=1" in text, text
+    assert "secret=None" in text and "refused: Permission denied" in text and "no socket:" in text, text
+    assert "the user's own file" not in text and "s3cr3t" not in text
+
+
+def test_convert_no_sandbox_says_so_and_runs_in_process(tmp_path: Path) -> None:
+    marker = tmp_path / "private-notes.txt"
+    marker.write_text("the user's own file")
+    model = probe_package(tmp_path, marker)
+    proc = run_cli("convert", str(model), "--input", "x:2,4", "-t", "onnx", "--out", str(tmp_path / "o"),
+                   "--no-sandbox", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "--no-sandbox: the model is loaded and run in this process" in proc.stderr
+    assert "PROBE sandbox=None" in proc.stderr and "read the user's own file" in proc.stderr, proc.stderr

@@ -61,9 +61,22 @@ def gpu_without_keda(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def rendered(gpu_without_keda) -> dict[str, list[dict]]:
-    """Every overlay (and the gpu overlay without KEDA), rendered once per session."""
+def cpu_only_with_gvisor(tmp_path_factory) -> Path:
+    """The cpu-only overlay with the optional gvisor-workers component added, as deploy/README.md says."""
+    cpu = K8S / "overlays" / "cpu-only"
+    kustomization = yaml.safe_load((cpu / "kustomization.yaml").read_text())
+    directory = tmp_path_factory.mktemp("cpu-only-gvisor")
+    kustomization["resources"] = [os.path.relpath(cpu / r, directory) for r in kustomization["resources"]]
+    kustomization["components"] = [os.path.relpath(K8S / "components" / "gvisor-workers", directory)]
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def rendered(gpu_without_keda, cpu_only_with_gvisor) -> dict[str, list[dict]]:
+    """Every overlay (and the gpu overlay without KEDA, cpu-only with gVisor), rendered once per session."""
     out = {name: kustomize_build(K8S / "overlays" / name) for name in OVERLAYS}
     # files of another folder are outside kustomize's default load root
     out["gpu-without-keda"] = kustomize_build(gpu_without_keda, "--load-restrictor", "LoadRestrictionsNone")
+    out["cpu-only-gvisor"] = kustomize_build(cpu_only_with_gvisor, "--load-restrictor", "LoadRestrictionsNone")
     return out

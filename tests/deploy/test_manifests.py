@@ -16,7 +16,7 @@ from fxport.config import Settings
 
 from .conftest import K8S, OVERLAYS, REPO
 
-VARIANTS = (*OVERLAYS, "gpu-without-keda")
+VARIANTS = (*OVERLAYS, "gpu-without-keda", "cpu-only-gvisor")
 # Oldest Kubernetes we claim (native gRPC probes, autoscaling/v2, policy/v1, PSA labels are
 # all GA there) and a current one. kubernetes-validate ships schemas 1.25-1.37.
 KUBERNETES_VERSIONS = ("1.30.0", "1.34.0")
@@ -29,7 +29,8 @@ EXCLUDED_CRDS = {
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 # FXPORT_* variables the manifests set that are not (yet) fields of fxport.config.Settings.
 # FXPORT_TOKENS_FILE: the API's token file, read by the auth layer (service/).
-NON_SETTINGS_ENV = {"FXPORT_TOKENS_FILE"}
+# FXPORT_SANDBOX_REQUIRE: the layers a worker's sandbox must have (workers/sandbox/run.py).
+NON_SETTINGS_ENV = {"FXPORT_TOKENS_FILE", "FXPORT_SANDBOX_REQUIRE"}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -353,3 +354,31 @@ def test_readme_documents_every_setting():
 def test_every_overlay_is_tested():
     on_disk = {p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists()}
     assert on_disk == set(OVERLAYS)
+
+
+def test_the_worker_sandbox_needs_no_privilege(rendered):
+    """The sandbox's layers (seccomp, Landlock) need no capability: every worker keeps all of
+    them dropped, no privilege escalation and RuntimeDefault seccomp (which allows landlock_*),
+    and so its jobs need no setting to run with the default FXPORT_SANDBOX_REQUIRE."""
+    for variant in ("cpu-only", "gpu"):
+        for workload in workloads(rendered[variant]):
+            if workload["metadata"]["labels"].get("app.kubernetes.io/component") != "worker":
+                continue
+            pod = workload["spec"]["template"]["spec"]
+            assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+            for c in containers(workload):
+                assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+                assert c["securityContext"]["allowPrivilegeEscalation"] is False
+                assert "FXPORT_SANDBOX_REQUIRE" not in {e["name"] for e in c.get("env", [])}
+            assert "runtimeClassName" not in pod
+
+
+def test_the_gvisor_component_moves_only_the_cpu_workers_and_requires_seccomp(rendered):
+    """gVisor has no Landlock: its workers must require the seccomp layer only, or every job fails closed."""
+    docs = rendered["cpu-only-gvisor"]
+    for workload in workloads(docs):
+        pod = workload["spec"]["template"]["spec"]
+        is_worker = workload["metadata"]["name"] == "fxport-worker-cpu"
+        assert pod.get("runtimeClassName") == ("gvisor" if is_worker else None), workload["metadata"]["name"]
+        env = {e["name"]: e.get("value") for c in containers(workload) for e in c.get("env", [])}
+        assert env.get("FXPORT_SANDBOX_REQUIRE") == ("seccomp" if is_worker else None)

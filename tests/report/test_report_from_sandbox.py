@@ -1,5 +1,5 @@
 """report.html of a job run in the sandbox: the child may not start processes, so its trusted
-parent draws the report, running Graphviz's `dot` confined (workers/sandbox_confine.confined_dot)."""
+parent draws the report, running Graphviz's `dot` confined (workers/sandbox/confine.py confined_dot)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ def test_a_sandboxed_job_report_has_both_graph_drawings(tiny_pt2: Path, tmp_path
 
 def test_dot_runs_with_no_writes_no_processes_and_no_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The same preexec confinement, on a shell instead of dot: what dot could do if subverted."""
-    from fxport.workers.sandbox_confine import _confine_dot
+    from fxport.workers.sandbox.confine import _dot_preexec
 
     monkeypatch.setenv("FXPORT_S3_SECRET_KEY", "not-for-dot")
     probe = tmp_path / "written"
     script = f"echo x > {probe}; echo write=$?; (true &); echo env=${{FXPORT_S3_SECRET_KEY:-none}}"
-    res = subprocess.run(["sh", "-c", script], capture_output=True, text=True, preexec_fn=_confine_dot,
+    res = subprocess.run(["sh", "-c", script], capture_output=True, text=True, preexec_fn=_dot_preexec(),
                          env={"PATH": "/usr/bin:/bin"}, timeout=30)
     assert "write=2" in res.stdout and not probe.exists(), (res.stdout, res.stderr)
     assert "Cannot fork" in res.stderr  # the subshell could not be started

@@ -1,9 +1,12 @@
-"""The sandbox's confinement primitives on their own (workers/sandbox_confine.py) and the
+"""The sandbox's confinement primitives on their own (workers/sandbox/confine.py) and the
 loader's decompression-bomb guard (workers/engine/load.py): fast, no service needed."""
 
 from __future__ import annotations
 
+import errno
 import json
+import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,25 +17,44 @@ import pytest
 
 from fxport.errors import UnsupportedModelFormat
 from fxport.workers.engine.load import detect_format
-from fxport.workers.sandbox_confine import landlock_abi, no_new_processes_filter
+from fxport.workers.sandbox.confine import landlock_abi, seccomp_program
 from tests.security.hostile import zip_bomb
 
 PROBE = r"""
-import json, os, socket, sys, threading
-from fxport.workers.sandbox_confine import confine
-inside, outside, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-info = confine([inside])
-out = {"info": info}
+import ctypes, json, os, socket, sys, threading
+from fxport.workers.sandbox.confine import apply_limits, confine
+inside, granted, outside, denied, port, unix_path = sys.argv[1:7]
+isolated = apply_limits(1 << 33, 60, True)
+info = confine([inside], [granted])
+out = {"info": info, "isolated": isolated}
+libc = ctypes.CDLL(None, use_errno=True)
 def attempt(name, fn):
     try:
         fn()
         out[name] = "allowed"
     except OSError as exc:
         out[name] = exc.errno
+def syscall(nr, *args):
+    if libc.syscall(nr, *args) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 attempt("write_inside", lambda: open(os.path.join(inside, "f"), "w").write("x"))
 attempt("write_outside", lambda: open(outside, "w").write("x"))
+attempt("read_granted", lambda: open(granted).read())
+attempt("read_denied", lambda: open(denied).read())
+attempt("read_shadow", lambda: open("/etc/shadow").read())
+attempt("read_parent_status", lambda: open(f"/proc/{os.getppid()}/status").read())
+attempt("read_own_status", lambda: open("/proc/self/status").read())
 attempt("devnull", lambda: open(os.devnull, "w").write("x"))
-attempt("tcp", lambda: socket.create_connection(("127.0.0.1", port), timeout=2).close())
+attempt("dev_shm", lambda: open(f"/dev/shm/fxport-probe-{os.getpid()}", "w").write("x"))
+attempt("tcp", lambda: socket.create_connection(("127.0.0.1", int(port)), timeout=2).close())
+attempt("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", int(port))))
+attempt("unix", lambda: socket.socket(socket.AF_UNIX).connect(unix_path))
+attempt("netlink", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0))
+attempt("packet", lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0))
+attempt("socketpair", lambda: socket.socketpair())
+attempt("io_uring", lambda: syscall(425, 8, ctypes.create_string_buffer(120)))
+attempt("ptrace", lambda: syscall(101, 0, 0, 0, 0))  # PTRACE_TRACEME
 attempt("parent_environ", lambda: open(f"/proc/{os.getppid()}/environ", "rb").read())
 attempt("signal_parent", lambda: os.kill(os.getppid(), 0))
 def fork():
@@ -49,40 +71,86 @@ attempt("thread", thread)
 print(json.dumps(out))
 """
 
+MODES = {"full capabilities": [], "no CAP_SYS_ADMIN": ["setpriv", "--bounding-set", "-sys_admin", "--"]}
 
-@pytest.mark.skipif(sys.platform != "linux" or landlock_abi() < 4, reason="needs Linux with Landlock ABI >= 4")
-def test_confine_blocks_processes_writes_tcp_and_ancestors(tmp_path: Path):
-    import errno
 
-    inside = tmp_path / "inside"
+@pytest.mark.skipif(sys.platform != "linux" or landlock_abi() < 6 or platform.machine() != "x86_64",
+                    reason="needs x86_64 Linux with Landlock ABI >= 6")
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_layer_holds_with_and_without_cap_sys_admin(tmp_path: Path, mode: str):
+    """The child's layers on their own, as a worker with all capabilities and as a Kubernetes
+    pod's (no CAP_SYS_ADMIN: no network namespace): no socket of any family, no io_uring, no
+    process, no read or write outside what it was given, nothing of its parent."""
+    if MODES[mode] and shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    inside, granted, denied = tmp_path / "inside", tmp_path / "granted.txt", tmp_path / "denied.txt"
     inside.mkdir()
+    granted.write_text("yours")
+    denied.write_text("not yours")
     outside = tmp_path / "outside-marker"
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
+    unix = socket.socket(socket.AF_UNIX)
+    unix_path = str(tmp_path / "store.sock")  # like SeaweedFS's local sockets
+    unix.bind(unix_path)
+    unix.listen(1)
     try:
-        res = subprocess.run([sys.executable, "-c", PROBE, str(inside), str(outside), str(listener.getsockname()[1])],
+        res = subprocess.run([*MODES[mode], sys.executable, "-c", PROBE, str(inside), str(granted), str(outside),
+                              str(denied), str(listener.getsockname()[1]), unix_path],
                              capture_output=True, text=True, timeout=60)
     finally:
         listener.close()
+        unix.close()
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    info = out.pop("info")
-    assert info["no_new_processes"] and info["filesystem_writes_confined"] and info["tcp_blocked"]
+    info, isolated = out.pop("info"), out.pop("isolated")
+    assert isolated is (not MODES[mode])  # a network namespace only with CAP_SYS_ADMIN
+    for layer in ("no_new_processes", "sockets_blocked", "filesystem_reads_confined", "filesystem_writes_confined",
+                  "tcp_blocked", "signals_scoped", "capabilities_dropped"):
+        assert info[layer], (layer, info)
     assert out == {
-        "write_inside": "allowed", "devnull": "allowed", "thread": "allowed",
-        "write_outside": errno.EACCES, "tcp": errno.EACCES, "parent_environ": errno.EACCES,
-        "signal_parent": errno.EPERM if info["signals_scoped"] else "allowed", "fork": errno.EAGAIN,
+        "write_inside": "allowed", "read_granted": "allowed", "read_own_status": "allowed", "devnull": "allowed",
+        "thread": "allowed",
+        "write_outside": errno.EACCES, "read_denied": errno.EACCES, "read_shadow": errno.EACCES,
+        "read_parent_status": errno.EACCES, "parent_environ": errno.EACCES, "dev_shm": errno.EACCES,
+        "tcp": errno.EPERM, "udp": errno.EPERM, "unix": errno.EPERM, "netlink": errno.EPERM, "packet": errno.EPERM,
+        "socketpair": errno.EPERM, "io_uring": errno.EPERM, "ptrace": errno.EPERM,
+        "signal_parent": errno.EPERM, "fork": errno.EAGAIN,
     }
     assert not outside.exists()
 
 
+INHERIT_PROBE = r"""
+import json, mmap, os, sys
+from fxport.workers.sandbox.confine import inherited_state
+clean = inherited_state({0, 1, 2})
+kept = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)  # a database a library keeps open
+os.ftruncate(kept, 4096)
+shared = mmap.mmap(kept, 4096, mmap.MAP_SHARED)  # a lock in shared memory
+found = inherited_state({0, 1, 2})
+print(json.dumps({"clean": clean, "found": found}))
+"""
+
+
+def test_inherited_descriptors_and_shared_mappings_are_found(tmp_path: Path):
+    """What the child checks before the model runs (and fails closed on): a descriptor it did not
+    open, a writable shared mapping. A fresh process has neither."""
+    res = subprocess.run([sys.executable, "-c", INHERIT_PROBE, str(tmp_path / "db")], capture_output=True, text=True,
+                         timeout=60, close_fds=True)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["clean"] == []
+    assert any("file descriptor" in p and str(tmp_path / "db") in p for p in out["found"]), out
+    assert any("writable shared mapping" in p and str(tmp_path / "db") in p for p in out["found"]), out
+
+
 def test_seccomp_program_shape():
     for machine in ("x86_64", "aarch64"):
-        prog = no_new_processes_filter(machine)
-        assert len(prog) % 8 == 0 and 8 < len(prog) // 8 < 20
+        prog = seccomp_program(machine)
+        assert len(prog) % 8 == 0 and 30 < len(prog) // 8 < 60
     with pytest.raises(KeyError):
-        no_new_processes_filter("sparc")
+        seccomp_program("sparc")
 
 
 def test_zip_bomb_is_refused_before_any_decompression(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ from fxport.jobs import InputRef, JobRecord, JobState, SqliteJobStore, new_job_i
 from fxport.spec import parse_spec
 from fxport.storage import FileStore, input_key, job_prefix
 from fxport.workers.engine.pipeline import WRITING_DIR
-from fxport.workers.jobs import WorkerContext, execute_job, execute_stage, kill_sandboxes_of
+from fxport.workers.jobs import WorkerContext, execute_job, execute_stage
 
 MODEL = b"pretend this is a .pt2"
 
@@ -247,15 +245,15 @@ def test_early_upload_passes_over_hidden_folders_and_outlives_a_failed_scan(ctx,
     early = EarlyUpload(ctx.artifacts, "default", new_job_id(), out, tmp_path / "spool",
                         on_stored=lambda name, stored: announced.append(name))
     scans = {"n": 0}
-    list_files = early._files
+    scan = early._scan
 
     def first_scan_fails():
         scans["n"] += 1
         if scans["n"] == 1:
             raise FileNotFoundError("a folder went away while it was listed")
-        return list_files()
+        return scan()
 
-    monkeypatch.setattr(early, "_files", first_scan_fails)
+    monkeypatch.setattr(early, "_scan", first_scan_fails)
     early.offer()
     _wait_for(lambda: scans["n"] == 1)
     (out / "model.ts").write_bytes(b"torchscript bytes")
@@ -320,30 +318,3 @@ def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
     merged = json.loads(merged_path.read_text())
     assert {a["format"] for a in merged["artifacts"]} >= {"onnx", "tensorrt"}
     assert merged["toolchain"]["tensorrt"] == "10.0"
-
-
-def test_kill_sandboxes_of_kills_only_that_jobs_sandbox(tmp_path):
-    procs = {}
-    for job in ("job-a", "job-b"):
-        req = tmp_path / job / "request.json"
-        req.parent.mkdir()
-        req.write_text(json.dumps({"job_id": job}))
-        # Like a sandbox: its own session, its work folder (with request.json) as cwd, and
-        # (as a warm sandbox is) a grandchild rather than a child of this process.
-        procs[job] = subprocess.Popen(
-            [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
-             "'import time; time.sleep(60)'], start_new_session=True); time.sleep(60)"],
-            cwd=req.parent)
-    try:
-        time.sleep(0.5)
-        # Each launcher and its grandchild share the cwd: both match, the other job's don't.
-        assert kill_sandboxes_of("job-a") == 2
-        assert procs["job-a"].wait(5) < 0
-        assert procs["job-b"].poll() is None
-        assert kill_sandboxes_of("job-c") == 0
-    finally:
-        kill_sandboxes_of("job-a")
-        kill_sandboxes_of("job-b")  # the launchers and their grandchildren
-        for p in procs.values():
-            p.kill()
-            p.wait()

@@ -4,7 +4,9 @@ bounded memory and time — and the job fails naming the stage and the limit."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -152,10 +154,10 @@ def test_a_hung_sandbox_dies_with_the_worker_that_started_it(tmp_path: Path, mod
 def test_the_zygote_kills_a_child_its_worker_lost_track_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The zygote's backstop: a child still running its wall-clock limit plus BACKSTOP_GRACE_S
     after the fork is killed, even if the worker never does (here the worker waits 600 s)."""
-    from fxport.workers import sandbox
+    from fxport.workers.sandbox import launch
 
     monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
-    monkeypatch.setattr(sandbox, "BACKSTOP_GRACE_S", 4.0 - 600)  # the backstop strikes at 4 s
+    monkeypatch.setattr(launch, "BACKSTOP_GRACE_S", 4.0 - 600)  # the backstop strikes at 4 s
     model = hostile_package(tmp_path, "hang_backstop", """
         import time
         time.sleep(3600)
@@ -172,7 +174,7 @@ def test_a_time_limit_while_the_zygote_starts_is_not_swallowed(monkeypatch: pyte
     up: that must end the job, not fall back to a cold sandbox that no clock watches."""
     from billiard.exceptions import SoftTimeLimitExceeded
 
-    from fxport.workers import sandbox
+    from fxport.workers.sandbox import launch
 
     class Starting:
         def launch(self, *args: object) -> None:
@@ -180,10 +182,10 @@ def test_a_time_limit_while_the_zygote_starts_is_not_swallowed(monkeypatch: pyte
 
     cold: list[object] = []
     monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
-    monkeypatch.setattr(sandbox, "_warm_sandbox", lambda: Starting())
-    monkeypatch.setattr(sandbox, "_ColdLaunch", lambda *args: cold.append(args))
+    monkeypatch.setattr(launch, "warm_sandbox", lambda: Starting())
+    monkeypatch.setattr(launch, "_ColdLaunch", lambda *args: cold.append(args))
     with pytest.raises(SoftTimeLimitExceeded):
-        sandbox._launch(tmp_path / "request.json", {}, tmp_path / "log", 10.0)
+        launch.launch(tmp_path / "request.json", {}, tmp_path / "log", 10.0)
     assert cold == []
 
 
@@ -210,10 +212,10 @@ def test_the_zygote_forks_from_huge_pages(tmp_path: Path, monkeypatch: pytest.Mo
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if huge and (not thp.exists() or "[never]" in thp.read_text()):
         pytest.skip("transparent huge pages are off on this machine ([never]): the zygote keeps small pages")
-    from fxport.workers import sandbox
+    from fxport.workers.sandbox import launch
 
-    monkeypatch.setattr(sandbox, "SANDBOX_HUGE_PAGES", huge)
-    zygote = sandbox.WarmSandbox()
+    monkeypatch.setattr(launch, "SANDBOX_HUGE_PAGES", huge)
+    zygote = launch.WarmSandbox()
     try:
         with zygote._lock:
             proc = zygote._ensure()
@@ -224,7 +226,7 @@ def test_the_zygote_forks_from_huge_pages(tmp_path: Path, monkeypatch: pytest.Mo
             assert zygote.ready["huge_pages"]["collapsed_mib"] > 100, zygote.ready
         elif thp.exists() and "[madvise]" in thp.read_text():  # under [always] the kernel may use huge pages for it anyway
             assert on_huge_pages < 0.2, memory
-        monkeypatch.setattr(sandbox, "_warm", zygote)
+        monkeypatch.setattr(launch, "_warm", zygote)
         monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
         manifest = run_engine_job(hostile_package(tmp_path, "benign_huge", "pass"), SPEC, tmp_path / "out",
                                   job_id="t-huge")
@@ -274,3 +276,65 @@ def test_onnxruntime_sessions_keep_to_the_torch_thread_budget() -> None:
         assert ort_session_options().intra_op_num_threads == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
+def test_a_required_layer_that_cannot_be_had_fails_closed_before_the_model_runs(tmp_path: Path) -> None:
+    """FXPORT_SANDBOX_REQUIRE names layers without which no model runs. A worker without
+    CAP_SYS_ADMIN (a Kubernetes pod) cannot give its child a network namespace: a worker that
+    requires one refuses every job, naming the layer, before the model is read."""
+    model = hostile_package(tmp_path, "never_runs", """
+        raise RuntimeError("PAYLOAD RAN")
+    """)
+    script = ("import sys; from pathlib import Path; from fxport.spec import parse_spec; "
+              "from fxport.workers.sandbox import run_engine_job\n"
+              "try:\n"
+              "    run_engine_job(Path(sys.argv[1]), parse_spec({'inputs': [{'name': 'x', 'shape': [2, 4]}], "
+              "'targets': ['onnx']}), Path(sys.argv[2]), job_id='t-require')\n"
+              "except Exception as exc:\n"
+              "    print(f'{exc.code}: {exc}')\n")
+    res = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", "--", sys.executable, "-c", script, str(model),
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "FXPORT_SANDBOX_MODE": "cold",
+                              "FXPORT_SANDBOX_REQUIRE": "seccomp,landlock,network_namespace"},
+                         cwd=Path(__file__).resolve().parents[2])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("sandbox_unavailable: the sandbox refused to run the model: the network_namespace "
+                                 "layer(s) the worker requires could not be applied"), res.stdout
+    assert "PAYLOAD RAN" not in res.stdout
+
+
+INHERITS = r"""
+import json, mmap, os, sys
+from pathlib import Path
+from fxport.spec import parse_spec
+from fxport.workers.sandbox.child import run_request
+work = Path(sys.argv[1])
+os.mkfifo(work / "events")
+reader = os.open(work / "events", os.O_RDWR | os.O_NONBLOCK)  # the worker's end
+(work / "request.json").write_text(json.dumps({
+    "model_path": sys.argv[2], "spec": parse_spec({"targets": ["onnx"]}).normalized(), "out_dir": str(work / "out"),
+    "job_id": "t-inherit", "limits": {"memory_bytes": 8 << 30, "cpu_seconds": 60, "isolate_network": False},
+    "events_path": str(work / "events"), "readable": [], "require": []}))
+(work / "out").mkdir()
+held = os.open(work / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(held, 4096)
+lock = mmap.mmap(held, 4096, mmap.MAP_SHARED)  # as a semaphore a warm parent's library made
+child = os.fork()  # as the zygote forks a job's child
+if child == 0:
+    os._exit(run_request(str(work / "request.json")))
+os.waitpid(child, 0)
+print((work / "result.json").read_text())
+"""
+
+
+def test_a_child_holding_a_writable_shared_mapping_refuses_to_run_the_model(tmp_path: Path, tiny_pt2: Path) -> None:
+    """The warm parent must leave its children nothing to share: should it ever hold a writable
+    shared mapping again (tqdm's lock once was one), the child refuses before the model is read."""
+    res = subprocess.run([sys.executable, "-c", INHERITS, str(tmp_path), str(tiny_pt2)], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not result["ok"] and result["error"]["code"] == "sandbox_unavailable", result
+    assert "writable shared mapping" in result["error"]["message"] and str(tmp_path / "lock") in result["error"]["message"]
+    assert not (tmp_path / "out" / "model.onnx").exists()

@@ -113,7 +113,7 @@ def test_gpu_stage_gets_the_signature_and_the_shared_cache_and_publishes_it(ctx,
     assert done.state is JobState.SUCCEEDED, done.error
     assert seen["targets"] == ["tensorrt"] and seen["inputs"] == SIG["inputs"] and seen["dims"] == SIG["dynamic_dims"]
     assert seen["cache_in"] is None  # first build on this GPU model: cold
-    key = tc.cache_key(IDENTITY)
+    key = tc.cache_key(IDENTITY, "default")  # the job's tenant's cache
     assert ctx.artifacts.exists(key)
     merged = stored_json(ctx, f"default/jobs/{rec.id}/manifest.json", tmp_path / "m.json")
     assert {a["format"] for a in merged["artifacts"]} == {"onnx", "tensorrt"}

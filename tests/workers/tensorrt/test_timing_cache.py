@@ -26,25 +26,29 @@ H200 = DeviceIdentity("NVIDIA H200", "9.0", "10.15.1.29")
 
 
 @pytest.mark.parametrize("identity, key", [
-    (H200, "cache/tensorrt/nvidia-h200_sm90_trt10.15.1.29/timing.cache"),
+    (H200, "cache/tensorrt/tenant/alice/nvidia-h200_sm90_trt10.15.1.29/timing.cache"),
     (DeviceIdentity("NVIDIA GeForce RTX 4090", "8.9", "10.3.0"),
-     "cache/tensorrt/nvidia-geforce-rtx-4090_sm89_trt10.3.0/timing.cache"),
+     "cache/tensorrt/tenant/alice/nvidia-geforce-rtx-4090_sm89_trt10.3.0/timing.cache"),
     (DeviceIdentity("NVIDIA A100-SXM4-80GB", "8.0", "10.0.1.6"),
-     "cache/tensorrt/nvidia-a100-sxm4-80gb_sm80_trt10.0.1.6/timing.cache"),
+     "cache/tensorrt/tenant/alice/nvidia-a100-sxm4-80gb_sm80_trt10.0.1.6/timing.cache"),
     (DeviceIdentity("  ../Tesla T4 (MIG 1g.5gb)/ ", "7.5", "10.15.1+cuda12"),
-     "cache/tensorrt/tesla-t4-mig-1g.5gb_sm75_trt10.15.1-cuda12/timing.cache"),
+     "cache/tensorrt/tenant/alice/tesla-t4-mig-1g.5gb_sm75_trt10.15.1-cuda12/timing.cache"),
 ])
-def test_cache_key_per_gpu_model_compute_capability_and_tensorrt_version(identity, key):
-    assert cache_key(identity) == key
+def test_cache_key_per_tenant_gpu_model_compute_capability_and_tensorrt_version(identity, key):
+    assert cache_key(identity, "alice") == key
     # a key is a plain path: no traversal, no empty segment, valid for the file and S3 stores
     assert ".." not in key.split("/") and "" not in key.split("/") and key.isascii()
 
 
 def test_every_part_of_the_identity_changes_the_key():
-    keys = {cache_key(H200), cache_key(DeviceIdentity("NVIDIA H100 80GB HBM3", "9.0", "10.15.1.29")),
-            cache_key(DeviceIdentity("NVIDIA H200", "10.0", "10.15.1.29")),
-            cache_key(DeviceIdentity("NVIDIA H200", "9.0", "10.14.1.48"))}
-    assert len(keys) == 4
+    keys = {cache_key(H200, "alice"), cache_key(DeviceIdentity("NVIDIA H100 80GB HBM3", "9.0", "10.15.1.29"), "alice"),
+            cache_key(DeviceIdentity("NVIDIA H200", "10.0", "10.15.1.29"), "alice"),
+            cache_key(DeviceIdentity("NVIDIA H200", "9.0", "10.14.1.48"), "alice"),
+            cache_key(H200, "bob"), cache_key(H200, None)}
+    assert len(keys) == 6
+    assert cache_key(H200, None) == "cache/tensorrt/shared/nvidia-h200_sm90_trt10.15.1.29/timing.cache"
+    with pytest.raises(Exception, match="invalid tenant"):
+        cache_key(H200, "../shared")
 
 
 def test_sanitize():
@@ -94,14 +98,14 @@ def test_this_cpu_machine_is_not_identified():
 
 def test_fetch_then_publish_round_trip_through_the_store(tmp_path):
     store = FileStore(tmp_path / "store")
-    first = fetch_shared_cache(store, tmp_path / "a" / "timing.cache", identity=H200)
-    assert first.key == cache_key(H200) and first.fetched_sha256 is None and not first.warnings
+    first = fetch_shared_cache(store, tmp_path / "a" / "timing.cache", tenant="alice", identity=H200)
+    assert first.key == cache_key(H200, "alice") and first.fetched_sha256 is None and not first.warnings
     assert not first.path.exists()  # cold: nothing to read
     first.path.write_bytes(b"timings of build 1")  # what the sandboxed build leaves there
     published = publish_shared_cache(store, first)
-    assert published["published"] and published["key"] == cache_key(H200)
+    assert published["published"] and published["key"] == cache_key(H200, "alice")
 
-    second = fetch_shared_cache(store, tmp_path / "b" / "timing.cache", identity=H200)
+    second = fetch_shared_cache(store, tmp_path / "b" / "timing.cache", tenant="alice", identity=H200)
     assert second.path.read_bytes() == b"timings of build 1"
     assert second.fetched_sha256 == hashlib.sha256(b"timings of build 1").hexdigest()
     unchanged = publish_shared_cache(store, second)  # nothing new timed: no write
@@ -109,25 +113,29 @@ def test_fetch_then_publish_round_trip_through_the_store(tmp_path):
     second.path.write_bytes(b"timings of build 1 + 2")
     assert publish_shared_cache(store, second)["published"]
 
-    other = fetch_shared_cache(store, tmp_path / "c" / "timing.cache",
+    other = fetch_shared_cache(store, tmp_path / "c" / "timing.cache", tenant="alice",
                                identity=DeviceIdentity("NVIDIA L4", "8.9", "10.15.1.29"))
     assert other.fetched_sha256 is None  # another GPU model never sees the H200's timings
+    # Nor does another tenant: the file comes out of a sandbox that parsed alice's model, and
+    # TensorRT deserializes it into the next build.
+    bob = fetch_shared_cache(store, tmp_path / "d" / "timing.cache", tenant="bob", identity=H200)
+    assert bob.fetched_sha256 is None and not bob.path.exists()
 
 
 def test_a_corrupt_stored_cache_means_a_cold_build_with_a_warning(tmp_path):
     store = FileStore(tmp_path / "store")
     src = tmp_path / "src"
     src.write_bytes(b"good")
-    store.put_file(cache_key(H200), src)
-    (tmp_path / "store" / "objects" / cache_key(H200)).write_bytes(b"bitrot")  # sha256 no longer matches
-    handle = fetch_shared_cache(store, tmp_path / "x" / "timing.cache", identity=H200)
+    store.put_file(cache_key(H200, "alice"), src)
+    (tmp_path / "store" / "objects" / cache_key(H200, "alice")).write_bytes(b"bitrot")  # sha256 no longer matches
+    handle = fetch_shared_cache(store, tmp_path / "x" / "timing.cache", tenant="alice", identity=H200)
     assert handle.fetched_sha256 is None and not handle.path.exists()
     assert handle.warnings and "could not be read" in handle.warnings[0] and "building cold" in handle.warnings[0]
 
 
 def test_an_unidentified_worker_builds_without_the_shared_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tc, "probe_device_identity", lambda: None)
-    handle = fetch_shared_cache(FileStore(tmp_path / "store"), tmp_path / "t.cache")
+    handle = fetch_shared_cache(FileStore(tmp_path / "store"), tmp_path / "t.cache", tenant="alice")
     assert handle.key is None and "could not identify this GPU worker" in handle.warnings[0]
     handle.path.write_bytes(b"x")
     assert publish_shared_cache(FileStore(tmp_path / "store"), handle)["published"] is False

@@ -2,10 +2,16 @@
 
 A TensorRT build times candidate kernels ("tactics") for every layer; the timing cache keeps
 those measurements, so a later build of the same layers on the same GPU model and TensorRT
-version skips the timing (DESIGN.md §8). Timings from another GPU model or TensorRT version
-are meaningless there, hence the key:
+version skips the timing. Timings from another GPU model or TensorRT version are meaningless
+there, hence the key:
 
-    cache/tensorrt/<gpu-name>_sm<cc>_trt<version>/timing.cache
+    cache/tensorrt/tenant/<tenant>/<gpu-name>_sm<cc>_trt<version>/timing.cache
+
+One cache per tenant: the file is written by a sandbox that parsed a tenant's model, and
+TensorRT deserializes it into the next build, so a cache shared by tenants would be a way for
+one tenant's job to reach into another's. With FXPORT_CACHE_SHARE_ACROSS_TENANTS (the operator
+trusts the tenants with each other's results) one cache serves all, under
+`cache/tensorrt/shared/<gpu…>/timing.cache`.
 
 The flow, split by who may touch what (the build runs in the sandbox, which has no store
 credentials):
@@ -70,9 +76,16 @@ def sanitize(text: str, limit: int = 64) -> str:
     return out[:limit].strip("-.") or "unknown"
 
 
-def cache_key(identity: DeviceIdentity) -> str:
-    """The object-store key of the shared timing cache for `identity`."""
-    return f"{KEY_PREFIX}/{identity.slug()}/timing.cache"
+SHARED_SCOPE = None  # cache_key's scope for one cache across tenants
+
+
+def cache_key(identity: DeviceIdentity, tenant: str | None) -> str:
+    """The object-store key of the timing cache for `identity`, kept per `tenant` (None: one
+    cache for every tenant). Tenant names are checked as for every key (fxport/storage.py)."""
+    from fxport.storage import check_tenant
+
+    scope = "shared" if tenant is SHARED_SCOPE else f"tenant/{check_tenant(tenant)}"
+    return f"{KEY_PREFIX}/{scope}/{identity.slug()}/timing.cache"
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,9 +176,11 @@ class SharedCacheHandle:
         return {"key": self.key, "fetched": self.fetched_sha256 is not None, "fetched_sha256": self.fetched_sha256}
 
 
-def fetch_shared_cache(store: Any, dest: Path, *, identity: DeviceIdentity | None = None) -> SharedCacheHandle:
-    """Download the shared timing cache for this machine to `dest`. Never raises: a missing,
-    unreadable or oversized cache means a cold build, with a warning where that is news."""
+def fetch_shared_cache(store: Any, dest: Path, *, tenant: str | None,
+                       identity: DeviceIdentity | None = None) -> SharedCacheHandle:
+    """Download the timing cache for this machine and `tenant` (None: the one shared by all) to
+    `dest`. Never raises: a missing, unreadable or oversized cache means a cold build, with a
+    warning where that is news."""
     from fxport.storage import ObjectNotFound
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +189,7 @@ def fetch_shared_cache(store: Any, dest: Path, *, identity: DeviceIdentity | Non
         return SharedCacheHandle(dest, None, warnings=[
             "shared timing cache skipped: could not identify this GPU worker (needs nvidia-smi with the compute_cap "
             "field and the tensorrt package); building cold"])
-    key = cache_key(identity)
+    key = cache_key(identity, tenant)
     handle = SharedCacheHandle(dest, key)
     try:
         meta = store.head(key)

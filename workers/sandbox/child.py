@@ -1,0 +1,121 @@
+"""The sandbox child: take nothing inherited, apply the layers, report them, then run the engine.
+
+Runs either as a fresh interpreter (`python -m fxport.workers.sandbox.child request.json`) or
+forked from the warm zygote (`run_request`). Everything before `_report_layers` is fxport's own
+code with no byte of the model read yet: the layer report it sends is the first line on the
+events channel, and the worker takes only that line as the child's word on its layers
+(sandbox/run.py). After it, nothing the child says about itself is believed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+# What a job must have before the model runs (request["require"]): a layer's name → the keys of
+# `confine`'s report that make it up.
+LAYERS = {
+    "seccomp": ("no_new_processes", "sockets_blocked"),
+    "landlock": ("filesystem_reads_confined", "filesystem_writes_confined"),
+    "network_namespace": ("network_isolated",),
+}
+
+
+def missing_layers(info: dict[str, Any], required: list[str]) -> list[str]:
+    return [name for name in required if not all(info.get(key) for key in LAYERS.get(name, (name,)))]
+
+
+def run_request(request_path: str) -> int:
+    # Nothing from whoever started us but stdin (/dev/null), stdout and stderr (the job's log).
+    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    request = json.loads(Path(request_path).read_text())
+    work = Path(request_path).parent
+    events = os.open(request["events_path"], os.O_WRONLY | os.O_CLOEXEC)
+
+    from fxport.workers.sandbox.confine import apply_limits, confine, inherited_state
+
+    limits = request["limits"]
+    address_space = limits.get("limit_address_space", True)
+    isolated = apply_limits(limits["memory_bytes"], limits["cpu_seconds"], limits["isolate_network"], address_space)
+    info = {"network_isolated": isolated,
+            **confine([work, Path(request["out_dir"])], [Path(p) for p in request.get("readable", ())],
+                      gpu=bool(request.get("gpu")))}
+    problems = inherited_state({0, 1, 2, events})
+    info["inherited_state_clean"] = not problems
+    missing = missing_layers(info, list(request.get("require", ())))
+    _report_layers(events, info)
+    if problems or missing:
+        # Fail closed, before the model is opened: this result is still fxport's own word.
+        why = ("; ".join(problems) if problems else
+               f"the {', '.join(missing)} layer(s) the worker requires could not be applied: "
+               + "; ".join(info.get("errors", ())))
+        _write_result(work, {"ok": False, "error": {
+            "code": "sandbox_unavailable", "stage": "load",
+            "message": f"the sandbox refused to run the model: {why}"}})
+        return 0
+
+    import torch
+
+    # A child forked from a parent that ran a multithreaded op can hang in torch's thread pool
+    # (ENVIRONMENT.md); setting the thread count first thing avoids it.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    stream = os.fdopen(events, "w", buffering=1)
+
+    def on_progress(event: dict[str, Any]) -> None:
+        stream.write(json.dumps(event) + "\n")
+
+    from fxport.errors import FxportError
+    from fxport.spec import JobSpec
+    from fxport.workers.engine.pipeline import convert
+
+    try:
+        manifest = convert(
+            Path(request["model_path"]), JobSpec.model_validate(request["spec"]), Path(request["out_dir"]),
+            job_id=request.get("job_id"),
+            calibration_path=Path(request["calibration_path"]) if request.get("calibration_path") else None,
+            on_progress=on_progress,
+            deferred_targets=request.get("deferred_targets") or (),
+            input_sha256=request.get("input_sha256"),
+            report=False,  # drawn by the parent, which may start `dot` (sandbox/run.py)
+            **_timing_cache_paths(request.get("timing_cache")),
+        )
+        result: dict[str, Any] = {"ok": True, "manifest": manifest}
+    except FxportError as exc:
+        result = {"ok": False, "error": {**exc.to_dict(), "message": str(exc)}}
+    except MemoryError:
+        result = {"ok": False, "error": {"code": "resource_limit", "stage": None,
+                                         "message": "the model ran out of its memory limit"}}
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"ok": False, "error": {"code": "conversion_failed", "stage": None,
+                                         "message": f"internal error: {type(exc).__name__}: {exc}"}}
+    _write_result(work, result)
+    stream.close()
+    return 0
+
+
+def _report_layers(events: int, info: dict[str, Any]) -> None:
+    os.write(events, (json.dumps({"sandbox": info}) + "\n").encode())
+
+
+def _write_result(work: Path, result: dict[str, Any]) -> None:
+    (work / "result.json").write_text(json.dumps(result, default=str))
+
+
+def _timing_cache_paths(cache: dict[str, str] | None) -> dict[str, Path]:
+    if not cache:
+        return {}
+    return {"timing_cache_path": Path(cache["read"]), "timing_cache_out": Path(cache["write"])}
+
+
+if __name__ == "__main__":
+    if os.environ.get("FXPORT_SANDBOX_PARENT"):  # a cold child: it dies with the worker that started it
+        from fxport.workers.sandbox.confine import die_with_parent
+
+        die_with_parent(int(os.environ["FXPORT_SANDBOX_PARENT"]))
+    sys.exit(run_request(sys.argv[1]))

@@ -1,0 +1,383 @@
+"""`run_engine_job`: one conversion in a sandbox child, seen from the worker.
+
+The worker makes a private folder for the job's child (`work`, mode 0700, beside the job's
+inputs and outputs and nothing of any other job), writes the request there, starts the child
+(sandbox/launch.py), reads its events with every size bounded (sandbox/events.py), records its
+layers itself (sandbox/layers.py), and after it exits reads what it left only through
+sandbox/beneath.py: no link the child made is followed, no file it wrote is read unbounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from fxport import errors
+from fxport.spec import JobSpec
+from fxport.workers.sandbox import beneath, launch as launcher, layers
+from fxport.workers.sandbox.confine import MAX_FILE_BYTES
+from fxport.workers.sandbox.events import EventPump
+
+log = logging.getLogger("fxport.workers.sandbox")
+
+# Where a TensorRT build inside the child leaves the merged timing cache (it may write only to
+# its folders); run_engine_job moves it to the caller's timing_cache_path.
+TIMING_CACHE_OUT = "tensorrt-timing.cache"
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists nodes and metrics, never weights
+MAX_RESULT_BYTES = MAX_MANIFEST_BYTES + (1 << 20)  # the manifest plus an error
+MAX_TIMING_CACHE_BYTES = 256 << 20
+MAX_OUTPUT_FILES = 4096  # a conversion writes a handful; FX source one file per submodule at most
+LOG_TAIL_BYTES = 4000
+
+_ERROR_TYPES: dict[str, type[errors.FxportError]] = {
+    cls.code: cls
+    for cls in (
+        errors.FxportError, errors.InvalidInput, errors.UnsupportedModelFormat, errors.CaptureFailed,
+        errors.ConversionFailed, errors.VerificationFailed, errors.ResourceLimitExceeded,
+        errors.SandboxUnavailable,
+    )
+}
+
+
+def required_layers() -> list[str]:
+    """Layers without which no model runs (FXPORT_SANDBOX_REQUIRE, comma-separated names from
+    sandbox/child.py LAYERS). Default on Linux: seccomp and Landlock, both unprivileged. Empty
+    elsewhere, where neither exists: the child is then bounded by its rlimits alone."""
+    raw = os.environ.get("FXPORT_SANDBOX_REQUIRE")
+    if raw is None:
+        return ["seccomp", "landlock"] if platform.system() == "Linux" else []
+    return [name.strip() for name in raw.split(",") if name.strip() and name.strip() != "none"]
+
+
+def readable_inputs(model_path: Path, calibration_path: Path | None, timing_cache: Path | None) -> list[Path]:
+    """What the child may read of the job's inputs: each file alone; an ONNX model's folder
+    (its external data lies beside it under names the model chooses)."""
+    paths = [model_path.parent if model_path.suffix == ".onnx" else model_path]
+    paths += [p for p in (calibration_path, timing_cache) if p is not None]
+    return [p.resolve() for p in paths]
+
+
+def run_engine_job(
+    model_path: Path,
+    spec: JobSpec,
+    out_dir: Path,
+    *,
+    job_id: str,
+    calibration_path: Path | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    timeout_s: float | None = None,
+    isolate_network: bool = True,
+    cancel_event: threading.Event | None = None,
+    deferred_targets: Sequence[str] = (),
+    timing_cache_path: Path | None = None,
+    input_sha256: str | None = None,
+    work_parent: Path | None = None,
+    warm: bool | None = None,
+) -> dict[str, Any]:
+    """Run `engine.convert` in a sandboxed child. Returns the manifest; raises FxportError.
+
+    `out_dir` gets the artifacts, manifest.json and report.html. `work_parent`: where the
+    child's private folder goes (the job's own folder on a worker; the system temp dir by
+    default). Setting `cancel_event` kills the child at once and raises JobCancelled.
+    `deferred_targets` and `timing_cache_path` go to convert; the child reads the timing cache
+    there and, after a TensorRT build, the merged cache is left at the same path. `warm`:
+    fork from the warm zygote (default: FXPORT_SANDBOX_MODE) or start a fresh interpreter."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    launcher.hide_parent_environment()
+    timeout = float(timeout_s or spec.limits.timeout_s)
+    memory = spec.limits.memory_mb << 20
+    builds_engine = "tensorrt" in spec.targets and "tensorrt" not in deferred_targets
+    work = Path(tempfile.mkdtemp(prefix="fxport-sandbox-", dir=work_parent))  # 0700, this job's alone
+    try:
+        (work / "tmp").mkdir()
+        events_path = work / "events"
+        os.mkfifo(events_path, 0o600)
+        cache_out = out_dir.resolve() / TIMING_CACHE_OUT if timing_cache_path is not None else None
+        request = {
+            "model_path": str(model_path.resolve()), "spec": spec.normalized(), "out_dir": str(out_dir.resolve()),
+            "job_id": job_id, "calibration_path": str(calibration_path.resolve()) if calibration_path else None,
+            "limits": {"memory_bytes": memory, "cpu_seconds": int(timeout) + 1, "isolate_network": isolate_network,
+                       "limit_address_space": not builds_engine},
+            "events_path": str(events_path),
+            "deferred_targets": list(deferred_targets),
+            "input_sha256": input_sha256,
+            "timing_cache": {"read": str(timing_cache_path.resolve()), "write": str(cache_out)} if cache_out else None,
+            "readable": [str(p) for p in readable_inputs(model_path, calibration_path, timing_cache_path)],
+            "require": required_layers(),
+            "gpu": builds_engine,
+        }
+        (work / "request.json").write_text(json.dumps(request))
+        child = _Child(job_id, work, on_progress, warm)
+        try:
+            rc = child.run(launcher.scrubbed_env(work), timeout, cancel_event)
+            with beneath.opened_dir(work) as work_fd:
+                result = _read_result(work_fd, rc, child, memory, timeout, out_dir)
+        finally:
+            box = child.sandbox_record()
+            layers.log_layers(job_id, box)
+        if cache_out is not None and timing_cache_path is not None:
+            _take_timing_cache(out_dir, timing_cache_path, keep=bool(result.get("ok")))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not result.get("ok"):
+        _record_sandbox(out_dir, box)
+        draw_report(out_dir)
+        err = result.get("error") if isinstance(result.get("error"), dict) else {}
+        if err.get("code") == "resource_limit":
+            _count_failure("memory")
+        cls = _ERROR_TYPES.get(err.get("code"), errors.ConversionFailed)
+        raise cls(str(err.get("message") or "conversion failed")[:4000], stage=_str(err.get("stage")),
+                  detail=_str(err.get("detail")), field=_str(err.get("field")))
+    manifest = result.get("manifest")
+    if not isinstance(manifest, dict):
+        _count_failure("invalid_output")
+        raise errors.SandboxViolation("the sandbox's result has no manifest", stage="upload")
+    manifest["sandbox"] = box  # the worker's record; whatever the child wrote there is dropped
+    try:
+        _validate_outputs(manifest, out_dir)
+    except errors.FxportError:
+        _count_failure("invalid_output")
+        raise
+    with beneath.opened_dir(out_dir) as out_fd:
+        beneath.replace_file(out_fd, "manifest.json", json.dumps(manifest, indent=2, default=str).encode())
+    draw_report(out_dir)
+    return manifest
+
+
+def _str(value: Any) -> str | None:
+    return None if value is None else str(value)[:4000]
+
+
+class _Child:
+    """One child: started, watched (events, layers, cancel, clock) and stopped."""
+
+    def __init__(self, job_id: str, work: Path, on_progress: Callable[[dict[str, Any]], None] | None,
+                 warm: bool | None) -> None:
+        self.job_id, self.work, self.on_progress, self.warm = job_id, work, on_progress, warm
+        self.stage = "load"
+        self.launch: launcher.Launch | None = None
+        self._launched = threading.Event()
+        self.reported: dict[str, Any] | None = None
+        self.measured: dict[str, Any] | None = None
+        self.measure_error: str | None = None
+
+    def _on_layers(self, report: dict[str, Any] | None) -> None:
+        """The child's first line: its layer report, then the worker looks at it from outside."""
+        self.reported = report
+        self._launched.wait(30)
+        if self.launch is None:
+            self.measure_error = "it was not started"
+            return
+        try:
+            self.measured = layers.measure(self.launch.pid, self.launch.alive)
+        except layers.ChildGone:
+            self.measure_error = "it had exited"
+        except (OSError, ValueError) as exc:
+            self.measure_error = f"{type(exc).__name__}: {exc}"
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        self.stage = event["stage"]
+        if self.on_progress:
+            self.on_progress(event)
+
+    def run(self, env: dict[str, str], timeout: float, cancel: threading.Event | None) -> int:
+        events_fd = os.open(self.work / "events", os.O_RDWR | os.O_NONBLOCK)  # never blocks, never EOF
+        pump = EventPump(events_fd, self._on_layers, self._on_event).start()
+        try:
+            try:
+                self.launch = launcher.launch(self.work / "request.json", env, self.work / "sandbox.log",
+                                              timeout + launcher.BACKSTOP_GRACE_S, warm=self.warm)
+            finally:
+                self._launched.set()
+            launcher.register(self.job_id, self.launch)
+            try:
+                return self._wait(timeout, cancel, pump)
+            except BaseException:
+                self.launch.kill()
+                raise
+            finally:
+                launcher.unregister(self.job_id, self.launch)
+                self.launch.close()
+        finally:
+            pump.stop()
+            os.close(events_fd)
+
+    def _wait(self, timeout: float, cancel: threading.Event | None, pump: EventPump) -> int:
+        """The child's exit status; raises when it is cancelled, breaks the event rules or runs
+        past `timeout`."""
+        assert self.launch is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise errors.JobCancelled(f"cancelled during {self.stage}", stage=self.stage)
+            if pump.violated.is_set():
+                _count_failure("events")
+                raise errors.SandboxViolation(
+                    f"the model broke the sandbox's event rules during {self.stage}: {pump.violation}",
+                    stage=self.stage, hint="a model must not write to the sandbox's event channel")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _count_failure("timeout")
+                raise errors.ResourceLimitExceeded(
+                    f"the model ran past the {timeout:.0f} s wall-clock limit during {self.stage}",
+                    stage=self.stage, hint="raise spec.limits.timeout_s (within the server maximum) "
+                    "or check the model for a hang in forward()")
+            try:
+                return self.launch.wait(min(left, 0.2))
+            except TimeoutError:
+                continue
+
+    def sandbox_record(self) -> dict[str, Any]:
+        return layers.record(self.measured, self.reported, measure_error=self.measure_error)
+
+
+def _read_result(work_fd: int, rc: int, child: _Child, memory: int, timeout: float, out_dir: Path) -> dict[str, Any]:
+    """The child's result.json, read within MAX_RESULT_BYTES; its death, named, if there is none."""
+    try:
+        raw = beneath.read_bounded(work_fd, "result.json", MAX_RESULT_BYTES, "result.json")
+    except FileNotFoundError:
+        raw = None
+    except errors.SandboxViolation:
+        _count_failure("invalid_output")
+        raise
+    if rc != 0 or raw is None:
+        log_tail = beneath.tail_bounded(work_fd, "sandbox.log", LOG_TAIL_BYTES).decode("utf-8", "replace")
+        _record_sandbox(out_dir, child.sandbox_record())
+        draw_report(out_dir)
+        raise _death_error(rc, child.stage, memory, timeout, log_tail)
+    try:
+        result = json.loads(raw)
+    except (ValueError, RecursionError):
+        _count_failure("invalid_output")
+        raise errors.SandboxViolation("the sandbox's result.json is not valid JSON", stage="upload") from None
+    if not isinstance(result, dict):
+        _count_failure("invalid_output")
+        raise errors.SandboxViolation("the sandbox's result.json is not an object", stage="upload")
+    return result
+
+
+def _take_timing_cache(out_dir: Path, dest: Path, *, keep: bool) -> None:
+    """Move the merged TensorRT timing cache the child left to `dest` (never an artifact)."""
+    with beneath.opened_dir(out_dir) as out_fd:
+        if keep:
+            try:
+                data = beneath.read_bounded(out_fd, TIMING_CACHE_OUT, MAX_TIMING_CACHE_BYTES, "TensorRT timing cache")
+                tmp = dest.with_name(dest.name + ".new")
+                tmp.write_bytes(data)
+                os.replace(tmp, dest)
+            except (OSError, errors.FxportError) as exc:
+                log.warning("the TensorRT timing cache the build left was not kept: %s", exc)
+        try:
+            os.unlink(TIMING_CACHE_OUT, dir_fd=out_fd)
+        except FileNotFoundError:
+            pass
+
+
+def _record_sandbox(out_dir: Path, box: dict[str, Any]) -> None:
+    """A failed job's manifest (the child's) gets the worker's record of the layers instead of
+    whatever the child put there."""
+    try:
+        with beneath.opened_dir(out_dir) as out_fd:
+            manifest = json.loads(beneath.read_bounded(out_fd, "manifest.json", MAX_MANIFEST_BYTES, "manifest.json"))
+            if isinstance(manifest, dict):
+                manifest["sandbox"] = box
+                beneath.replace_file(out_fd, "manifest.json", json.dumps(manifest, indent=2, default=str).encode())
+    except (OSError, ValueError, RecursionError, errors.FxportError):
+        pass  # no readable manifest: nothing to correct
+
+
+def draw_report(out_dir: Path) -> None:
+    """report.html from out_dir/manifest.json, drawn here: the child may not start `dot`, so
+    it leaves the report to this side, which runs `dot` confined (confine.confined_dot).
+    The manifest is the child's (untrusted): it is read without following links and within
+    MAX_MANIFEST_BYTES, every string in it is escaped by the report, and the report is written
+    as a new file renamed into place. A report problem never fails the job."""
+    from fxport.report import render_report
+    from fxport.workers.sandbox.confine import confined_dot
+
+    try:
+        with beneath.opened_dir(out_dir) as out_fd:
+            try:
+                raw = beneath.read_bounded(out_fd, "manifest.json", MAX_MANIFEST_BYTES, "manifest.json")
+            except FileNotFoundError:
+                return
+            manifest = json.loads(raw)
+            if not isinstance(manifest, dict):
+                return
+            beneath.replace_file(out_fd, "report.html", render_report(manifest, layout=confined_dot).encode())
+    except Exception as exc:
+        log.warning("report.html could not be drawn: %s: %s", type(exc).__name__, exc)
+
+
+def _count_failure(reason: str) -> None:
+    """fxport_sandbox_failures_total{reason}; metrics are optional where prometheus isn't installed."""
+    try:
+        from fxport.metrics import METRICS
+    except ImportError:
+        return
+    METRICS.record_sandbox_failure(reason)
+
+
+def _death_error(rc: int, stage: str, memory: int, timeout: float, log_tail: str) -> errors.FxportError:
+    if rc < 0:
+        sig = signal.Signals(-rc).name
+        if -rc == signal.SIGXCPU:
+            reason, why = "cpu_time", f"the model used up its {timeout:.0f} s CPU-time limit during {stage}"
+        elif -rc in (signal.SIGKILL,) or "MemoryError" in log_tail or "std::bad_alloc" in log_tail:
+            reason = "memory"
+            why = f"the model exceeded {memory >> 20} MiB address space during {stage} (killed by {sig})"
+        elif -rc == signal.SIGXFSZ:
+            reason = "file_size"
+            why = f"the model wrote a file larger than {MAX_FILE_BYTES >> 30} GiB during {stage}"
+        else:
+            reason, why = "signal", f"the sandbox process died with {sig} during {stage}"
+    elif "MemoryError" in log_tail or "bad_alloc" in log_tail or "Cannot allocate memory" in log_tail:
+        reason, why = "memory", f"the model exceeded {memory >> 20} MiB address space during {stage}"
+    elif rc == 0:  # it ended itself (os._exit, sys.exit) before the engine wrote its result
+        reason, why = "exit_code", f"the model ended the sandbox process during {stage} before the conversion finished"
+    else:
+        reason, why = "exit_code", f"the sandbox process exited with status {rc} during {stage}"
+    _count_failure(reason)
+    return errors.ResourceLimitExceeded(why, stage=stage, detail=log_tail[-2000:] or None,
+                                        hint="raise spec.limits.memory_mb / timeout_s within the server maximum, "
+                                        "or check the model")
+
+
+def _validate_outputs(manifest: dict[str, Any], out_dir: Path) -> None:
+    """The child's files are untrusted: every file beneath out_dir must be a regular file
+    (no link, FIFO or hard link anywhere), at most MAX_OUTPUT_FILES of them, and each artifact
+    the manifest lists must be there with the size and sha256 it states."""
+    from fxport.digest import sha256_file
+
+    arts = manifest.get("artifacts")
+    if not isinstance(arts, list) or not all(isinstance(a, dict) for a in arts):
+        raise errors.SandboxViolation("the sandbox's manifest has no valid artifact list", stage="upload")
+    with beneath.opened_dir(out_dir) as out_fd:
+        files = {f.name: f for f in beneath.walk_files(out_fd, strict=True, max_files=MAX_OUTPUT_FILES)}
+        try:
+            listed = []
+            for art in arts:
+                name = art.get("path")
+                if not isinstance(name, str) or name not in files:
+                    raise errors.ConversionFailed(f"sandbox produced an invalid artifact path {name!r}", stage="upload")
+                listed.append((art, files[name]))
+            # Several artifacts hashed at once (hashlib lets go of the GIL): this is on every job's critical path.
+            with ThreadPoolExecutor(max_workers=max(1, min(4, len(listed)))) as pool:
+                digests = list(pool.map(lambda pair: sha256_file(pair[1].path), listed))
+            for (art, f), (digest, size) in zip(listed, digests):
+                if size != art.get("bytes") or digest != art.get("sha256"):
+                    raise errors.ConversionFailed(f"artifact {art.get('path')!r} does not match its recorded digest",
+                                                  stage="upload")
+        finally:
+            for f in files.values():
+                f.close()
