@@ -13,7 +13,10 @@ random weights, 224x224), dynamic batch 1..16 (opt 8):
    cache it left (build time cold vs warm, as a ratio), each verified as a job verifies it
    (against onnxruntime on the ONNX model, at the profile's min and max shapes);
 3. latency of the engine vs eager torch on the same GPU at batch 1 and 8 (median of CUDA-event
-   timings on device-resident buffers; eager fp32 and fp16, the engine per precision).
+   timings on device-resident buffers; eager fp32 and fp16, the engine per precision);
+4. the fp32 build once more inside the sandbox, as a GPU worker runs it (`sandboxed_build`):
+   whether CUDA and TensorRT work behind its seccomp filter and Landlock rules, and the layers
+   it recorded.
 Each step's failure is recorded in the JSON and the rest still runs. The JSON is rewritten
 after every step, so a run cut short still leaves what it measured.
 """
@@ -232,6 +235,26 @@ def main(argv: list[str]) -> int:
 
             if engine.is_file():
                 report.step(f"{precision}.latency", latency)
+
+        def sandboxed_build() -> dict[str, Any]:
+            """The fp32 build again, as a worker runs it: in the sandbox (seccomp: no sockets, no
+            new processes; Landlock: its own files plus the GPU's devices). The builds above run
+            in this process; this says whether CUDA and TensorRT work behind those layers, and
+            if not, the error names what was refused."""
+            from fxport.workers.sandbox import run_engine_job
+
+            onnx_path = tmp / "cpu-fp32" / "model.onnx"
+            trt_spec = spec_dict(case, targets=("tensorrt",), batch=BATCH, precision="fp32", verify={"samples": 2})
+            trt_spec.pop("passes", None)
+            t0 = time.perf_counter()
+            manifest = run_engine_job(onnx_path, parse_spec(trt_spec), tmp / "trt-fp32-sandboxed",
+                                      job_id="gpu-check", warm=False)
+            [record] = [v for v in manifest["verification"] if v["format"] == "tensorrt"]
+            return {"wall_s": round(time.perf_counter() - t0, 2), "passed": record.get("passed"),
+                    "build_s": manifest["tensorrt"]["build"]["build_s"], "sandbox": manifest["sandbox"]}
+
+        if (tmp / "cpu-fp32" / "model.onnx").is_file():
+            report.data["sandboxed_build"] = report.step("sandboxed_build", sandboxed_build)
 
     report.data["status"] = "ok" if not report.data["errors"] else f"{len(report.data['errors'])} step(s) failed"
     report.data["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

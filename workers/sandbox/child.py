@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ def run_request(request_path: str) -> int:
 
     from fxport.workers.sandbox.confine import apply_limits, confine, inherited_state
 
+    started = time.perf_counter()
     limits = request["limits"]
     address_space = limits.get("limit_address_space", True)
     isolated = apply_limits(limits["memory_bytes"], limits["cpu_seconds"], limits["isolate_network"], address_space)
@@ -48,12 +50,16 @@ def run_request(request_path: str) -> int:
     problems = inherited_state({0, 1, 2, events})
     info["inherited_state_clean"] = not problems
     missing = missing_layers(info, list(request.get("require", ())))
+    info["setup_ms"] = round((time.perf_counter() - started) * 1000, 2)  # what the layers cost this job
     _report_layers(events, info)
     if problems or missing:
         # Fail closed, before the model is opened: this result is still fxport's own word.
+        errors = "; ".join(info.get("errors", ()))
         why = ("; ".join(problems) if problems else
-               f"the {', '.join(missing)} layer(s) the worker requires could not be applied: "
-               + "; ".join(info.get("errors", ())))
+               f"the {', '.join(missing)} layer(s) the worker requires could not be applied"
+               + (f" ({errors})" if errors else "") + ". An operator may run jobs without a layer by leaving it "
+               "out of FXPORT_SANDBOX_REQUIRE (default seccomp,landlock); `fxport convert --no-sandbox` runs a "
+               "model you trust in your own process")
         _write_result(work, {"ok": False, "error": {
             "code": "sandbox_unavailable", "stage": "load",
             "message": f"the sandbox refused to run the model: {why}"}})

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 import resource
@@ -56,7 +57,7 @@ WRITABLE_DEVICES = ("/dev/null", "/dev/zero", "/dev/full")
 READABLE_DEVICES = ("/dev/urandom", "/dev/random")
 # A TensorRT build talks to the GPU through these (NVIDIA's container runtime mounts them).
 GPU_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri")
-GPU_READ_PATHS = ("/proc/driver/nvidia", "/sys/bus/pci", "/sys/devices", "/etc/nvidia")
+GPU_READ_PATHS = ("/proc/driver/nvidia", "/proc/devices", "/sys/bus/pci", "/sys/devices", "/etc/nvidia")
 # System files a Python process with torch and onnxruntime reads after start-up: the loader's
 # cache, time zone, user database (getpwuid), locale data, and the CPU's description. Not
 # /etc as a whole (shadow, ssl keys, the pod's mounted secrets live there or nearby).
@@ -67,35 +68,26 @@ SYSTEM_READ_PATHS = (
     "/sys/devices/system/cpu", "/sys/devices/system/node", "/sys/fs/cgroup",
 )
 
-# seccomp: per architecture, the audit arch, clone, clone3, fork/vfork (x86_64 only) and the
-# syscalls refused outright (include/uapi/asm*/unistd*.h).
+# seccomp: per architecture, the audit arch, clone, clone3 and fork/vfork (x86_64 only).
 _ARCHES: dict[str, dict[str, Any]] = {
-    "x86_64": {
-        "audit_arch": 0xC000003E, "clone": 56, "clone3": 435, "forks": (57, 58),
-        "sockets": (41, 53),  # socket, socketpair
-        "refused": {
-            "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-            "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "pidfd_getfd": 438,
-            "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
-            "add_key": 248, "request_key": 249, "keyctl": 250,
-            "mount": 165, "umount2": 166, "pivot_root": 155, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-            "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-            "unshare": 272, "setns": 308, "open_by_handle_at": 304,
-        },
-    },
-    "aarch64": {
-        "audit_arch": 0xC00000B7, "clone": 220, "clone3": 435, "forks": (),
-        "sockets": (198, 199),
-        "refused": {
-            "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-            "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "pidfd_getfd": 438,
-            "bpf": 280, "perf_event_open": 241, "userfaultfd": 282,
-            "add_key": 217, "request_key": 218, "keyctl": 219,
-            "mount": 40, "umount2": 39, "pivot_root": 41, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-            "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-            "unshare": 97, "setns": 268, "open_by_handle_at": 265,
-        },
-    },
+    "x86_64": {"audit_arch": 0xC000003E, "clone": 56, "clone3": 435, "forks": (57, 58)},
+    "aarch64": {"audit_arch": 0xC00000B7, "clone": 220, "clone3": 435, "forks": ()},
+}
+# Refused outright: name → (x86_64, aarch64) number (asm/unistd_64.h, asm-generic/unistd.h;
+# checked against both headers). Sockets of every family; io_uring (its own way to every
+# syscall above); reaching other processes; kernel objects shared across the machine
+# (bpf maps, perf events, keyrings); mounts and namespaces.
+REFUSED_SYSCALLS: dict[str, tuple[int, int]] = {
+    "socket": (41, 198), "socketpair": (53, 199),
+    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "kcmp": (312, 272),
+    "pidfd_getfd": (438, 438),
+    "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282),
+    "add_key": (248, 217), "request_key": (249, 218), "keyctl": (250, 219),
+    "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "open_tree": (428, 428),
+    "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
+    "fspick": (433, 433), "mount_setattr": (442, 442),
+    "unshare": (272, 97), "setns": (308, 268), "open_by_handle_at": (304, 265),
 }
 CLONE_THREAD = 0x00010000
 _X32_SYSCALL_BIT = 0x40000000
@@ -132,15 +124,16 @@ def _no_new_privs() -> bool:
 # -- what the child may read -----------------------------------------------------------------
 
 
-def python_read_paths() -> list[Path]:
+@functools.lru_cache(maxsize=1)
+def python_read_paths() -> tuple[Path, ...]:
     """The interpreter, its standard library, the installed packages and fxport's own code.
 
     Only paths below the interpreter's prefixes, the site-packages folders and fxport's
     package folders: sys.path may also hold the working directory of whoever started the
-    worker ("/" for the zygote, a checkout for a developer), which must not become readable."""
+    worker ("/" for the zygote, a checkout for a developer), which must not become readable.
+    Found without importing anything (the zygote computes it once, before it forks)."""
+    import importlib.util
     import site
-
-    import fxport
 
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     paths = [Path(p) for p in sorted(roots)]
@@ -149,10 +142,9 @@ def python_read_paths() -> list[Path]:
     except AttributeError:  # an old virtualenv's site module
         pass
     for name in ("fxport", "fxport.workers", "fxport.service", "fxport.client"):
-        module = sys.modules.get(name) or (__import__(name) and sys.modules[name])
-        paths += [Path(p) for p in getattr(module, "__path__", ())]
-    paths += [Path(p) for p in fxport.__path__]
-    return paths
+        spec = importlib.util.find_spec(name)
+        paths += [Path(p) for p in (spec.submodule_search_locations or ()) if spec is not None]
+    return tuple(paths)
 
 
 def gpu_paths() -> tuple[list[Path], list[Path]]:
@@ -259,12 +251,15 @@ def _bpf_jump(code: int, k: int, jt: int, jf: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
+@functools.lru_cache(maxsize=4)
 def seccomp_program(machine: str | None = None) -> bytes:
     """A seccomp BPF program: sockets, io_uring and the calls in `refused` fail with EPERM;
     process-creating clone/fork/vfork with EAGAIN/EPERM; clone3 with ENOSYS (so libc falls
     back to clone, whose flags the filter can read); syscalls of a foreign ABI (i386 int 0x80,
     x32) with ENOSYS. Everything else is allowed."""
-    arch = _ARCHES[machine or platform.machine()]
+    machine = machine or platform.machine()
+    arch = _ARCHES[machine]
+    refused = [numbers[list(_ARCHES).index(machine)] for numbers in REFUSED_SYSCALLS.values()]
     ld_w_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     # Layout, with the four return statements at the end: ... | ALLOW | ENOSYS | EPERM | EAGAIN
     body: list[tuple[str, int, str | None, str | None]] = [
@@ -273,7 +268,7 @@ def seccomp_program(machine: str | None = None) -> bytes:
         ("ld", 0, None, None),                       # seccomp_data.nr
         ("jge", _X32_SYSCALL_BIT, "ENOSYS", None),
         ("jeq", arch["clone3"], "ENOSYS", None),
-        *[("jeq", nr, "EPERM", None) for nr in (*arch["forks"], *arch["sockets"], *arch["refused"].values())],
+        *[("jeq", nr, "EPERM", None) for nr in (*arch["forks"], *refused)],
         ("jeq", arch["clone"], None, "ALLOW"),
         ("ld", 16, None, None),                      # args[0] (clone flags), low 32 bits (little-endian)
         ("jset", CLONE_THREAD, "ALLOW", "EAGAIN"),

@@ -18,13 +18,13 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from fxport.isolation import describe_layers
+from fxport.isolation import LAYER_LABELS, describe_layers
 
 log = logging.getLogger("fxport.workers.sandbox")
 
 # From the child's report (sent before the model was read): what /proc cannot show.
 REPORTED_KEYS = ("filesystem_reads_confined", "filesystem_writes_confined", "tcp_blocked", "signals_scoped",
-                 "landlock_abi", "inherited_state_clean")
+                 "landlock_abi", "inherited_state_clean", "setup_ms")
 
 
 class ChildGone(Exception):
@@ -96,7 +96,8 @@ def record(measured: dict[str, Any] | None, reported: dict[str, Any] | None, *,
         "seccomp_filters": m.get("seccomp_filters", 0),
         "file_size_limit_mb": m.get("file_size_limit_mb"),
         "open_files_limit": m.get("open_files_limit"),
-        **{key: r.get(key, 0 if key == "landlock_abi" else False) for key in REPORTED_KEYS},
+        **{key: r.get(key, False if key in LAYER_LABELS else None) for key in REPORTED_KEYS},
+        "landlock_abi": r.get("landlock_abi", 0),
         "sources": {"measured_by_worker": sorted(m) if measured is not None else [],
                     "reported_before_model_code": list(REPORTED_KEYS) if reported is not None else []},
     }

@@ -17,6 +17,7 @@ import ctypes
 import gc
 import json
 import os
+import platform
 import select
 import signal
 import sys
@@ -211,7 +212,11 @@ def main() -> None:
 
     import fxport.workers.engine.pipeline  # noqa: F401
     import fxport.workers.sandbox.child  # noqa: F401
-    import fxport.workers.sandbox.confine  # noqa: F401
+    from fxport.workers.sandbox.confine import _ARCHES, python_read_paths, seccomp_program
+
+    python_read_paths()  # what every child's Landlock rules grant, and its seccomp filter: made once here
+    if platform.machine() in _ARCHES:
+        seccomp_program()
     from fxport.workers.engine.exporters import exported_program, fx_source, onnx as onnx_exp, torchscript  # noqa: F401
     from fxport.workers.engine.verify import runners  # noqa: F401
 
