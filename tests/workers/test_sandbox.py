@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -338,3 +339,45 @@ def test_a_child_holding_a_writable_shared_mapping_refuses_to_run_the_model(tmp_
     assert not result["ok"] and result["error"]["code"] == "sandbox_unavailable", result
     assert "writable shared mapping" in result["error"]["message"] and str(tmp_path / "lock") in result["error"]["message"]
     assert not (tmp_path / "out" / "model.onnx").exists()
+
+
+def test_killing_a_jobs_sandbox_kills_that_job_only(tmp_path: Path) -> None:
+    """A cancel or a lost lease kills the children this worker started for that job (kept by
+    job id while they run), found without asking any child: a child that wrote another job's
+    id into its request.json changes nothing."""
+    from fxport.workers.jobs import kill_sandboxes_of
+    from fxport.workers.sandbox import launch
+
+    model = hostile_package(tmp_path, "hang_for_kill", """
+        import json, time
+        with open("request.json") as f:
+            request = json.load(f)
+        request["job_id"] = "t-kill-b"  # claims to be the other job
+        with open("request.json", "w") as f:
+            json.dump(request, f)
+        time.sleep(3600)
+    """)
+    outcome: dict[str, BaseException] = {}
+
+    def run(job: str) -> None:
+        try:
+            run_engine_job(model, SPEC, tmp_path / job, job_id=job, timeout_s=300)
+        except BaseException as exc:  # noqa: BLE001 - what ended it is the finding
+            outcome[job] = exc
+
+    threads = {job: threading.Thread(target=run, args=(job,), daemon=True) for job in ("t-kill-a", "t-kill-b")}
+    for t in threads.values():
+        t.start()
+    wait_until(lambda: {"t-kill-a", "t-kill-b"} <= set(launch._running), 120, "both sandboxes to start")
+    children = {job: [child.pid for child in launch._running[job]] for job in ("t-kill-a", "t-kill-b")}
+    # Both models have loaded once both request.json files name job b.
+    wait_until(lambda: len(sandbox_pids(os.getpid(), "t-kill-b")) == 2, 120, "both models to load")
+    assert kill_sandboxes_of("t-kill-a") == 1
+    threads["t-kill-a"].join(30)
+    assert not threads["t-kill-a"].is_alive() and "t-kill-a" in outcome
+    assert not any(_running(pid) for pid in children["t-kill-a"])
+    assert threads["t-kill-b"].is_alive() and all(_running(pid) for pid in children["t-kill-b"])
+    assert kill_sandboxes_of("t-kill-c") == 0
+    assert kill_sandboxes_of("t-kill-b") == 1
+    threads["t-kill-b"].join(30)
+    assert not threads["t-kill-b"].is_alive()
