@@ -129,18 +129,34 @@ def _job_summary(job: Job, out: Path | None, console: Console) -> None:
 
         render_manifest(json.loads(manifest_path.read_text()), console)
     elif job.artifacts:
-        from rich.table import Table
-
-        table = Table(title="artifacts")
-        for col in ("name", "format", "bytes", "sha256"):
-            table.add_column(col)
-        for a in job.artifacts:
-            table.add_row(a["name"], a["format"], str(a["bytes"]), a["sha256"][:12] + "…")
-        console.print(table)
+        _artifact_table(job, console)
+        if job.spec.get("benchmark") is not None and any(a["name"] == "manifest.json" for a in job.artifacts):
+            _benchmark_table(job, console)  # the benchmark lives in the manifest: fetch just that
     if out is not None and job.artifacts:
         console.print(f"artifacts in {out}/ (sha256 verified)")
         if (out / "report.html").is_file():
             console.print(f"report: {out / 'report.html'}")
+
+
+def _benchmark_table(job: Job, console: Console) -> None:
+    import tempfile
+
+    from fxport.client.result_table import render_benchmark
+
+    with tempfile.TemporaryDirectory(prefix="fxport-manifest-") as tmp:
+        job.download(tmp, names=["manifest.json"])
+        render_benchmark(json.loads((Path(tmp) / "manifest.json").read_text()).get("benchmark") or {}, console)
+
+
+def _artifact_table(job: Job, console: Console) -> None:
+    from rich.table import Table
+
+    table = Table(title="artifacts")
+    for col in ("name", "format", "bytes", "sha256"):
+        table.add_column(col)
+    for a in job.artifacts:
+        table.add_row(a["name"], a["format"], str(a["bytes"]), a["sha256"][:12] + "…")
+    console.print(table)
 
 
 def _finish(job: Job, *, out: Optional[Path], as_json: bool) -> int:
@@ -184,6 +200,8 @@ def submit(
     pass_: Optional[list[str]] = typer.Option(None, "--pass", help="Graph pass to run, in order (repeatable)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data file."),
+    benchmark: bool = typer.Option(False, "--benchmark", help="Also measure every artifact's latency, throughput "
+                                   "and memory per batch size on the worker, and recommend one."),
     label: Optional[list[str]] = typer.Option(None, "--label", help="KEY=VALUE label on the job (repeatable)."),
     idempotency_key: Optional[str] = typer.Option(None, "--idempotency-key", help="Same key → same job (safe retries)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Convert even if the server has this result cached "
@@ -200,7 +218,7 @@ def submit(
     def body() -> int:
         base = load_spec_file(spec) if spec else {}
         data = spec_from_flags(base, targets=target, inputs=input_, dynamic_batch=dynamic_batch,
-                               passes=pass_, precision=precision)
+                               passes=pass_, precision=precision, benchmark=benchmark)
         if label:
             data["labels"] = {**(data.get("labels") or {}), **_labels(label)}
         parse_spec(data)  # fail fast, before any upload; the server validates again

@@ -22,7 +22,7 @@ from rich.console import Console
 from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, FxportError
 from fxport.spec import load_spec_file, parse_spec, spec_from_flags
 
-STAGES = ("load", "capture", "passes", "quantize", "export", "verify")
+STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark")
 
 
 class StageProgress:
@@ -70,6 +70,8 @@ def convert_command(
     pass_: Optional[list[str]] = typer.Option(None, "--pass", help="Graph pass to run, in order (repeatable)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data (.npz/.safetensors)."),
+    benchmark: bool = typer.Option(False, "--benchmark", help="Also measure every artifact's latency, throughput "
+                                   "and memory per batch size on this machine, and recommend one."),
     out: Path = typer.Option(Path("fxport-out"), "--out", "-o", help="Output folder for artifacts + manifest.json."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout and nothing else."),
     no_sandbox: bool = typer.Option(False, "--no-sandbox", help="Load and run the model in this process, outside "
@@ -80,7 +82,7 @@ def convert_command(
     try:
         base = load_spec_file(spec) if spec else {}
         job_spec = parse_spec(spec_from_flags(base, targets=target, inputs=input_, dynamic_batch=dynamic_batch,
-                                              passes=pass_, precision=precision))
+                                              passes=pass_, precision=precision, benchmark=benchmark))
         if not model.is_file():
             raise FxportError(f"model file {str(model)!r} does not exist", stage="load")
     except FxportError as exc:

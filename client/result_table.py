@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fxport.benchmark import rate, table as table_rows
 from fxport.isolation import describe_layers
 
 
@@ -54,6 +55,7 @@ def render_manifest(manifest: dict[str, Any], console: Console) -> None:
         digest = art["sha256"][:10] + ("" if art["files"] == 1 else f" +{art['files'] - 1}")
         table.add_row(art["path"], _size(art["bytes"]), digest, *cols, parity)
     console.print(table)
+    render_benchmark(manifest.get("benchmark") or {}, console)
     render_quantization(manifest.get("quantization") or {}, console)
     timings = manifest.get("timings_s") or {}
     if timings:
@@ -110,3 +112,33 @@ def render_quantization(quant: dict[str, Any], console: Console) -> None:
 
 def _num(value: Any, fmt: str) -> str:
     return fmt.format(value) if isinstance(value, (int, float)) else "–"
+
+
+def render_benchmark(bench: dict[str, Any], console: Console) -> None:
+    """The benchmark table (per artifact and batch) and the recommendation; nothing without one."""
+    rows = table_rows(bench)
+    if not rows and not bench.get("skipped"):
+        return
+    machine = bench.get("machine") or {}
+    threads = (bench.get("settings") or {}).get("threads")
+    where = ", ".join(str(x) for x in (machine.get("cpu"), f"{threads} threads" if threads else None,
+                                      machine.get("gpu")) if x)
+    table = Table(title=f"benchmark ({where})" if where else "benchmark")
+    # on an 80-column CI log every column fits unwrapped
+    for col in ("artifact", "batch", "p50 ms", "p95 ms", "throughput", "× eager", "peak RSS"):
+        table.add_column(col, no_wrap=True, justify="left" if col == "artifact" else "right")
+    for r in rows:
+        name = r["artifact"] + ("" if r.get("verified") else " (not verified)")
+        speed = r.get("speedup_vs_eager")
+        table.add_row(name, str(r["batch"]), f"{r['p50_ms']:.3g}", f"{r['p95_ms']:.3g}", rate(r["throughput_per_s"]),
+                      f"{speed:.2f}" if speed is not None else "", f"{r['peak_rss_mib']:.0f} MiB"
+                      if r.get("peak_rss_mib") is not None else "")
+    console.print(table)
+    for s in bench.get("skipped", []):
+        console.print(f"[yellow]skipped[/] {s['artifact']} at batch {s['batch']}: {s['reason']}", highlight=False)
+    pick = bench.get("recommendation")
+    if pick:
+        console.print(f"[bold]recommended[/]: {pick['artifact']} at batch {pick['batch']} — {pick['reason']}",
+                      highlight=False)
+    elif rows:
+        console.print("[yellow]no recommendation[/]: no verified artifact was measured", highlight=False)

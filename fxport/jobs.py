@@ -52,7 +52,7 @@ class JobState(str, Enum):
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 IN_FLIGHT_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
-STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "tensorrt", "upload")
+STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark", "tensorrt", "upload")
 
 
 class InputRef(BaseModel):

@@ -32,7 +32,7 @@ from prometheus_client import multiprocess
 # and absent() work before the first job, and a typo in a caller shows up as a new series.
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
-STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "tensorrt", "upload")
+STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark", "tensorrt", "upload")
 QUEUES = ("cpu", "gpu")
 UPLOAD_KINDS = ("model", "calibration")
 # Why a sandbox child did not hand back a valid result. Anything else is counted as

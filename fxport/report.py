@@ -51,6 +51,7 @@ SECTIONS = (
     ("overview", "Overview"),
     ("warnings", "Warnings"),
     ("parity", "Parity"),
+    ("benchmark", "Benchmark"),
     ("profile", "Profile"),
     ("quantization", "Quantization"),
     ("capture", "Capture"),
@@ -103,6 +104,8 @@ tr.fallback td { background: #fff4e5; }
 .card .k { color: var(--muted); font-size: 12px; }
 .card .v { font-size: 15px; font-weight: 600; }
 .chart svg { max-width: 100%; height: auto; }
+.charts { display: flex; flex-wrap: wrap; gap: 8px; }
+.charts .chart { flex: 0 1 340px; }
 .graph-svg { overflow: auto; max-height: 1600px; border: 1px solid var(--line); background: #fff; }
 .graph-svg svg { max-width: 100%; height: auto; }
 .graphs { display: flex; gap: 16px; flex-wrap: wrap; align-items: flex-start; }
@@ -126,6 +129,7 @@ def render_report(manifest: dict[str, Any], *, layout: DotLayout | None = None) 
         "passes": _passes_section,
         "artifacts": _artifacts_section,
         "parity": _parity_section,
+        "benchmark": _benchmark_section,
         "profile": _profile_section,
         "quantization": _quantization_section,
         "graph": partial(_graph_section, layout=layout or run_dot),
@@ -217,7 +221,13 @@ def _overview_section(m: dict[str, Any]) -> str:
          if verification else '<span class="note">not run</span>'),
         ("total time", _e(f"{total_s:.2f} s")),
     ]
-    return '<div class="cards">' + "".join(
+    pick = (m.get("benchmark") or {}).get("recommendation")
+    head = ""
+    if pick:  # what to deploy comes first
+        head = (f'<p id="recommendation"><strong>Recommended: {_e(pick.get("artifact"))} at batch '
+                f'{_e(pick.get("batch"))}</strong> — {_e(pick.get("reason"))} '
+                '(<a href="#benchmark">benchmark</a>)</p>')
+    return head + '<div class="cards">' + "".join(
         f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{v}</div></div>' for k, v in cards) + "</div>"
 
 
@@ -348,6 +358,58 @@ def _parity_section(m: dict[str, Any]) -> str:
     return head + _table(headers, rows, table_id="parity-table", row_classes=classes)
 
 
+def _benchmark_section(m: dict[str, Any]) -> Optional[str]:
+    from fxport.benchmark import rate, table
+
+    bench = m.get("benchmark")
+    if not bench:
+        return None
+    rows = table(bench)
+    machine = bench.get("machine") or {}
+    settings = bench.get("settings") or {}
+    pick = bench.get("recommendation")
+    parts = [f'<p><strong>Recommended: {_e(pick["artifact"])} at batch {_e(pick["batch"])}</strong> — '
+             f'{_e(pick["reason"])}</p>' if pick else
+             '<p class="note">No recommendation: no verified artifact was measured.</p>']
+    isa = ", ".join(machine.get("isa") or []) or "none listed"
+    parts.append(f'<p class="note">Measured on the worker that built the artifacts: {_e(machine.get("cpu"))} '
+                 f'({_e(machine.get("usable_cpus"))} of {_e(machine.get("cores"))} CPUs usable; ISA: {_e(isa)})'
+                 + (f", GPU {_e(machine['gpu'])}" if machine.get("gpu") else "")
+                 + f'; {_e(settings.get("threads"))} threads, {_e(settings.get("warmup"))} warm-up and up to '
+                 f'{_e(settings.get("runs"))} timed runs per artifact and batch, one runtime at a time; the stage '
+                 f'took {_e(bench.get("seconds"))} s (max {_e(settings.get("max_seconds"))} s). Peak RSS is the '
+                 "sandbox process's high-water mark while that runtime ran that batch.</p>")
+    batches = sorted({r["batch"] for r in rows})
+    artifacts = list(dict.fromkeys(r["artifact"] for r in rows))
+    by = {(r["artifact"], r["batch"]): r for r in rows}
+    if rows:
+        # one small chart per batch, each on its own scale: batch 1 and batch 64 differ too much to share one
+        parts.append('<p><strong>Latency by artifact and batch</strong> (p50, ms)</p><div class="charts">' + "".join(
+            _bar_chart(f"benchmark-latency-{b}", [a for a in artifacts if (a, b) in by],
+                       [{"value": by[(a, b)]["p50_ms"], "color": _series_colour(artifacts, a)}
+                        for a in artifacts if (a, b) in by],
+                       horizontal=False, title=f"batch {b}", value_fmt="{:.3g} ms", size=(340, 320))
+            for b in batches) + "</div>")
+        speedup = {a: [by[(a, b)].get("speedup_vs_eager") if (a, b) in by else None for b in batches]
+                   for a in artifacts}  # eager too, at 1×: each artifact keeps its colour in both charts
+        if any(v is not None for vs in speedup.values() for v in vs):
+            parts.append(_grouped_bar_chart("benchmark-speedup", [f"batch {b}" for b in batches], speedup,
+                                            title="Speed-up over eager (× eager p50)", value_fmt="{:.2f}×"))
+    table_rows = [[_e(r["artifact"]), _e(r.get("runtime")), _e(r["batch"]), _num_cell(r.get("p50_ms"), "{:.4g}"),
+                   _num_cell(r.get("p95_ms"), "{:.4g}"), _num_cell(r.get("mean_ms"), "{:.4g}"),
+                   _e(rate(r["throughput_per_s"])), _num_cell(r.get("speedup_vs_eager"), "{:.2f}×"),
+                   _num_cell(r.get("peak_rss_mib"), "{:.0f} MiB"), _e(r.get("threads")), _e(r.get("runs")),
+                   _status_cell(bool(r.get("verified")), "yes" if r.get("verified") else "no")] for r in rows]
+    parts.append(_table(["artifact", "runtime", "batch", "p50 ms", "p95 ms", "mean ms", "throughput", "× eager",
+                         "peak RSS", "threads", "runs", "verified"], table_rows, table_id="benchmark-table"))
+    skipped = bench.get("skipped") or []
+    if skipped:
+        parts.append("<p>Skipped:</p><ul>" + "".join(
+            f"<li>{_e(s.get('artifact'))} at batch {_e(s.get('batch'))}: {_e(s.get('reason'))}</li>" for s in skipped)
+            + "</ul>")
+    return "\n".join(parts)
+
+
 def _profile_section(m: dict[str, Any]) -> Optional[str]:
     prof = m.get("profile")
     if not prof or not prof.get("top_nodes"):
@@ -422,30 +484,69 @@ def _timings_section(m: dict[str, Any]) -> Optional[str]:
 # ---------------------------------------------------------------- charts (pygal)
 
 
-def _bar_chart(chart_id: str, labels: list[str], values: list[dict[str, Any]], *, horizontal: bool, title: str,
-               value_fmt: str) -> str:
-    try:
-        import pygal
-        from pygal.style import Style
-    except ImportError:
-        return ('<p class="missing">Chart not drawn: the chart library pygal is not installed '
-                "(pip install pygal). The table below has the numbers.</p>")
-    style = Style(background="white", plot_background="white", colors=("#1a73e8",), font_family="sans-serif",
-                  label_font_size=11, major_label_font_size=11, value_font_size=10, title_font_size=14)
-    n = max(len(labels), 1)
-    common = dict(style=style, js=[], disable_xml_declaration=True, show_legend=False, title=title,
-                  print_values=horizontal, value_formatter=lambda v: value_fmt.format(v), truncate_label=-1)
-    if horizontal:
-        chart = pygal.HorizontalBar(width=1100, height=90 + 28 * n, margin_left=10, **common)
-    else:
-        chart = pygal.Bar(width=1100, height=460, x_label_rotation=35, **common)
-    chart.x_labels = labels
-    chart.add("value", values)
+_NO_PYGAL = ('<p class="missing">Chart not drawn: the chart library pygal is not installed '
+             "(pip install pygal). The table below has the numbers.</p>")
+
+
+def _style(**colors: Any) -> Any:
+    from pygal.style import Style
+
+    return Style(background="white", plot_background="white", font_family="sans-serif", label_font_size=11,
+                 major_label_font_size=11, value_font_size=10, title_font_size=14, legend_font_size=12, **colors)
+
+
+def _chart_html(chart: Any, chart_id: str) -> str:
     svg = chart.render(is_unicode=True)
     # pygal emits a config <script> for its optional JS tooltips and comments with its home page:
     # neither belongs in a page that runs no scripts and fetches nothing. Its ids are random; make them stable.
     svg = _strip_scripts_and_comments(svg).replace(f"chart-{chart.uuid}", chart_id).replace(chart.uuid, chart_id)
     return f'<div class="chart" id="{chart_id}-box">{svg}</div>'
+
+
+def _bar_chart(chart_id: str, labels: list[str], values: list[dict[str, Any]], *, horizontal: bool, title: str,
+               value_fmt: str, size: tuple[int, int] | None = None) -> str:
+    """One series of bars (a value may carry its own "color"). `size`: (width, height) of a small
+    vertical chart, values printed on the bars."""
+    try:
+        import pygal
+    except ImportError:
+        return _NO_PYGAL
+    n = max(len(labels), 1)
+    common = dict(style=_style(colors=("#1a73e8",)), js=[], disable_xml_declaration=True, show_legend=False,
+                  title=title, print_values=horizontal or size is not None,
+                  value_formatter=lambda v: value_fmt.format(v), truncate_label=-1)
+    if horizontal:
+        chart = pygal.HorizontalBar(width=1100, height=90 + 28 * n, margin_left=10, **common)
+    elif size is not None:
+        chart = pygal.Bar(width=size[0], height=size[1], x_label_rotation=30, **common)
+    else:
+        chart = pygal.Bar(width=1100, height=460, x_label_rotation=35, **common)
+    chart.x_labels = labels
+    chart.add("value", values)
+    return _chart_html(chart, chart_id)
+
+
+SERIES_COLOURS = ("#5f6368", "#1a73e8", "#e8710a", "#1e8e3e", "#9334e6", "#d93025", "#12b5cb")
+
+
+def _series_colour(names: list[str], name: str) -> str:
+    return SERIES_COLOURS[names.index(name) % len(SERIES_COLOURS)]
+
+
+def _grouped_bar_chart(chart_id: str, labels: list[str], series: dict[str, list[float | None]], *, title: str,
+                       value_fmt: str) -> str:
+    """Bars grouped by `labels` (batch sizes), one coloured series per artifact, with a legend."""
+    try:
+        import pygal
+    except ImportError:
+        return _NO_PYGAL
+    chart = pygal.Bar(width=1100, height=420, js=[], disable_xml_declaration=True, title=title, show_legend=True,
+                      legend_at_bottom=True, truncate_label=-1, value_formatter=lambda v: value_fmt.format(v),
+                      style=_style(colors=SERIES_COLOURS))
+    chart.x_labels = labels
+    for name, values in series.items():
+        chart.add(name, values)
+    return _chart_html(chart, chart_id)
 
 
 # ---------------------------------------------------------------- FX graph (graphviz dot)

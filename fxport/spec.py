@@ -254,6 +254,34 @@ class VerifyOptions(_Strict):
     fail_on_mismatch: bool = True
 
 
+class BenchmarkOptions(_Strict):
+    """Measure every artifact in its own runtime, and the eager original, on the worker that
+    built them (off unless the spec has a `benchmark` key; `benchmark: true` = these defaults)."""
+
+    batches: list[int] | None = Field(
+        None, max_length=16, description="Batch sizes to measure; default: the batch dim's min, opt and max "
+        "(or the model's static batch).")
+    warmup: int = Field(10, ge=0, le=1000, description="Untimed runs per artifact and batch, first.")
+    runs: int = Field(50, ge=1, le=10_000, description="Timed runs per artifact and batch (fewer if max_seconds "
+                      "runs short; the manifest says how many).")
+    threads: int | None = Field(None, ge=1, le=256, description="Threads each runtime uses; default: the job's "
+                                "thread budget (the CPUs the worker may use).")
+    max_seconds: float = Field(120.0, gt=0, le=3600, description="Bound on the whole stage; what does not fit is "
+                               "reported as skipped, with why.")
+
+    @field_validator("batches")
+    @classmethod
+    def _batches(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("give at least one batch size, or leave batches out for the default")
+        bad = [b for b in v if not 1 <= b <= MAX_DIM]
+        if bad:
+            raise ValueError(f"batch sizes must be between 1 and {MAX_DIM}, got {bad}")
+        return sorted(set(v))
+
+
 class Limits(_Strict):
     """Per-job resource limits, clamped to the server's maximums."""
 
@@ -275,6 +303,9 @@ class JobSpec(_Strict):
     torchscript: TorchScriptOptions = Field(default_factory=TorchScriptOptions)
     tensorrt: TensorRTOptions = Field(default_factory=TensorRTOptions)
     verify: VerifyOptions = Field(default_factory=VerifyOptions)
+    benchmark: BenchmarkOptions | None = Field(
+        None, description="Measure latency, throughput and memory of every artifact and recommend one "
+        "(`true` or a mapping of options; off when absent).")
     limits: Limits = Field(default_factory=Limits)
     labels: dict[str, str] = Field(default_factory=dict, max_length=32)
 
@@ -282,6 +313,16 @@ class JobSpec(_Strict):
     @classmethod
     def _unique_targets(cls, v: list[str]) -> list[str]:
         return list(dict.fromkeys(v))
+
+    @field_validator("benchmark", mode="before")
+    @classmethod
+    def _benchmark_switch(cls, v: Any) -> Any:
+        # `benchmark: true` turns it on with the defaults, `false` (or null) leaves it off
+        if v is True:
+            return {}
+        if v is False:
+            return None
+        return v
 
     @field_validator("labels")
     @classmethod
@@ -335,8 +376,12 @@ class JobSpec(_Strict):
     # -- derived -------------------------------------------------------------------------
 
     def normalized(self) -> dict[str, Any]:
-        """The spec with every default filled in, as plain JSON data (for manifest + cache key)."""
-        return self.model_dump(mode="json")
+        """The spec with every default filled in, as plain JSON data (for manifest + cache key).
+        An absent benchmark stays absent, so specs without one keep the digests they had."""
+        data = self.model_dump(mode="json")
+        if data.get("benchmark") is None:
+            data.pop("benchmark", None)
+        return data
 
     def digest(self) -> str:
         """sha256 of the normalized spec: key order and omitted defaults do not change it."""
@@ -465,8 +510,10 @@ def spec_from_flags(
     dynamic_batch: str | None = None,
     passes: list[str] | None = None,
     precision: str | None = None,
+    benchmark: bool = False,
 ) -> dict[str, Any]:
-    """Overlay CLI flags on a spec mapping (flags win). Returns a mapping for `parse_spec`."""
+    """Overlay CLI flags on a spec mapping (flags win). Returns a mapping for `parse_spec`.
+    `benchmark`: turn the benchmark on (with the spec file's options, or the defaults)."""
     data = dict(base or {})
     if targets:
         data["targets"] = list(targets)
@@ -480,4 +527,6 @@ def spec_from_flags(
         data["passes"] = list(passes)
     if precision:
         data["precision"] = precision
+    if benchmark and not data.get("benchmark"):
+        data["benchmark"] = {}
     return data

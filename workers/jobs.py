@@ -570,10 +570,14 @@ def _with_cpu_signature(spec: JobSpec, cpu_manifest: dict[str, Any] | None) -> J
 
 def _merge_manifests(cpu: dict[str, Any] | None, trt: dict[str, Any]) -> dict[str, Any]:
     """The CPU stage's manifest plus the TensorRT stage's artifacts, verification, engine
-    metadata, warnings and timings."""
+    metadata, benchmark rows, warnings and timings."""
     if cpu is None:
         return trt
+    from fxport.benchmark import merge
+
     merged = cpu
+    if cpu.get("benchmark") or trt.get("benchmark"):
+        merged["benchmark"] = merge(cpu.get("benchmark"), trt.get("benchmark"))
     merged.setdefault("artifacts", []).extend(trt.get("artifacts", []))
     merged.setdefault("verification", []).extend(trt.get("verification", []))
     merged.setdefault("toolchain", {}).update({k: v for k, v in trt.get("toolchain", {}).items() if v})

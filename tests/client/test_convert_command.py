@@ -163,3 +163,30 @@ def test_convert_no_sandbox_says_so_and_runs_in_process(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "--no-sandbox: the model is loaded and run in this process" in proc.stderr
     assert "PROBE sandbox=None" in proc.stderr and "read the user's own file" in proc.stderr, proc.stderr
+
+
+def test_convert_benchmark_recommends_the_fastest_verified_artifact(tmp_path: Path) -> None:
+    """`convert --benchmark` on the ResNet-18-style corpus model with three targets: every
+    artifact and the eager original timed at each batch, the table after the parity table, and
+    a recommendation that is the fastest verified artifact at its batch."""
+    model = save_pt2(get("resnet18"), tmp_path / "resnet18.pt2")
+    spec = tmp_path / "bench.yaml"
+    spec.write_text("benchmark: {runs: 5, warmup: 1}\nverify: {samples: 1}\n")  # options; --benchmark turns it on
+    proc = run_cli("convert", str(model), "--spec", str(spec), "--benchmark", "--input", "x:batch,3,224,224",
+                   "--dynamic-batch", "1:2:4", "-t", "torchscript", "-t", "onnx", "-t", "exported_program",
+                   "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    bench = manifest["benchmark"]
+    assert bench["settings"]["batches"] == [1, 2, 4] and bench["settings"]["runs"] == 5
+    measured = {(r["artifact"], r["batch"]) for r in bench["results"]}
+    assert measured == {(a, b) for a in ("eager", "torchscript", "onnx", "exported_program") for b in (1, 2, 4)}
+    verified = {v["format"] for v in manifest["verification"] if v["passed"]}
+    pick = bench["recommendation"]
+    at_its_batch = [r for r in bench["results"] if r["batch"] == pick["batch"] and r["artifact"] in verified]
+    assert pick["artifact"] == min(at_its_batch, key=lambda r: r["p50_ms"])["artifact"]
+    assert "benchmark" in manifest["timings_s"]
+    out = proc.stdout
+    assert out.index("parity") < out.index("benchmark (") < out.index(f"recommended: {pick['artifact']}")
+    report = (tmp_path / "o" / "report.html").read_text()
+    assert 'id="recommendation"' in report and f"Recommended: {pick['artifact']}" in report

@@ -184,6 +184,45 @@ def test_a_malformed_section_costs_only_that_section(manifest: dict[str, Any]) -
     assert "parity-table" in idx.ids
 
 
+def _with_benchmark(m: dict[str, Any]) -> dict[str, Any]:
+    from fxport.benchmark import recommend
+
+    def row(artifact: str, batch: int, p50: float, verified: bool = True) -> dict[str, Any]:
+        return {"artifact": artifact, "runtime": artifact, "batch": batch, "p50_ms": p50, "p95_ms": p50 * 1.2,
+                "mean_ms": p50, "throughput_per_s": batch * 1000 / p50, "peak_rss_mib": 612.0, "threads": 2,
+                "runs": 50, "verified": verified}
+
+    results = [row("eager", 1, 20.0), row("eager", 8, 120.0), row("onnx", 1, 6.0), row("onnx", 8, 30.0),
+               row("torchscript", 1, 9.0), row("torchscript", 8, 50.0)]
+    m["benchmark"] = {"results": results, "recommendation": recommend(results),
+                      "skipped": [{"artifact": "exported_program", "batch": 8, "reason": "only 2 run(s) fit"}],
+                      "machine": {"cpu": "AMD EPYC 9B14", "cores": 2, "usable_cpus": 2, "isa": ["avx2", "avx512f"],
+                                  "arch": "x86_64", "gpu": None},
+                      "settings": {"batches": [1, 8], "warmup": 10, "runs": 50, "threads": 2, "max_seconds": 120.0},
+                      "seconds": 14.2}
+    return m
+
+
+def test_benchmark_section_charts_table_and_the_recommendation_first(manifest: dict[str, Any]) -> None:
+    text, idx = _index(_with_benchmark(manifest))
+    assert "benchmark" in idx.ids and "benchmark-table" in idx.ids
+    assert idx.body_rows["benchmark-table"] == 6
+    for chart in ("benchmark-latency-1-box", "benchmark-latency-8-box", "benchmark-speedup-box"):
+        assert chart in idx.ids, chart
+    # what to deploy opens the overview, before the cards
+    overview = text[text.index('<section id="overview"'):]
+    assert overview.index('id="recommendation"') < overview.index('class="cards"')
+    assert "Recommended: onnx at batch 8" in overview
+    assert "3.3× eager at batch 1, 4.0× at 8" in text
+    assert "exported_program at batch 8: only 2 run(s) fit" in text and "AMD EPYC 9B14" in text
+    assert "could not be rendered" not in text
+
+
+def test_without_a_benchmark_there_is_no_benchmark_section(manifest: dict[str, Any]) -> None:
+    text, idx = _index(manifest)
+    assert "benchmark" not in idx.ids and 'id="recommendation"' not in text
+
+
 # ---------------------------------------------------------------- safety: escaping, no network
 
 
@@ -207,6 +246,10 @@ def _poison(m: dict[str, Any]) -> dict[str, Any]:
     m["toolchain"]["torch"] = HOSTILE
     m["spec"]["labels"] = {HOSTILE: HOSTILE_ATTR}
     m["error"] = {"stage": HOSTILE, "message": HOSTILE_ATTR}
+    _with_benchmark(m)
+    m["benchmark"]["results"][2]["artifact"] = HOSTILE
+    m["benchmark"]["recommendation"]["reason"] = HOSTILE_ATTR
+    m["benchmark"]["machine"]["cpu"] = HOSTILE
     return m
 
 

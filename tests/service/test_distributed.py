@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -240,3 +243,26 @@ def test_wait_with_download_to_leaves_nothing_when_the_job_does_not_succeed(dist
     assert staged and job.state == "CANCELLED", (job.state, job.error)
     assert job.downloaded is None
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_a_job_benchmarked_on_a_worker_brings_its_benchmark_back(distributed_stack, tiny_pt2, tmp_path):
+    """`fxport submit --wait --benchmark`: the worker times every artifact in its sandbox, the
+    job's manifest carries the benchmark, the stage has its own events and timing, and the CLI
+    prints the table and the recommendation without --out (it fetches the manifest alone)."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("targets: [onnx, torchscript]\nbenchmark: {runs: 5, warmup: 1}\n")
+    proc = subprocess.run([sys.executable, "-m", "fxport.client.cli", "submit", str(tiny_pt2), "--spec", str(spec),
+                           "--benchmark", "--wait", "--timeout", "240", "--server", distributed_stack.address],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
+    assert proc.returncode == 0, (proc.stdout, proc.stderr, distributed_stack.logs())
+    job_id = proc.stdout.split("job ", 1)[1].split(":", 1)[0].strip()
+    assert "benchmark (" in proc.stdout and "recommended: " in proc.stdout, proc.stdout
+    with Client(distributed_stack.address) as client:
+        job = client.get(job_id)
+        job.download(tmp_path / "out", names=["manifest.json"])
+    bench = json.loads((tmp_path / "out" / "manifest.json").read_text())["benchmark"]
+    assert {r["artifact"] for r in bench["results"]} == {"eager", "onnx", "torchscript"}
+    assert bench["recommendation"]["artifact"] in ("onnx", "torchscript")
+    assert bench["recommendation"]["artifact"] in proc.stdout.split("recommended: ", 1)[1]
+    rec = distributed_stack.job_store().get(job_id)
+    assert "benchmark" in rec.stage_timings

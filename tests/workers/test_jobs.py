@@ -318,3 +318,21 @@ def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
     merged = json.loads(merged_path.read_text())
     assert {a["format"] for a in merged["artifacts"]} >= {"onnx", "tensorrt"}
     assert merged["toolchain"]["tensorrt"] == "10.0"
+
+
+def test_the_tensorrt_stage_benchmark_joins_the_cpu_stages_and_the_pick_is_made_again():
+    from fxport.workers.jobs import _merge_manifests
+
+    def row(artifact: str, batch: int, p50: float) -> dict:
+        return {"artifact": artifact, "batch": batch, "p50_ms": p50, "throughput_per_s": batch * 1000 / p50,
+                "verified": True}
+
+    cpu_rows = [row("eager", 1, 10.0), row("onnx", 1, 4.0)]
+    cpu = {"benchmark": {"results": cpu_rows, "skipped": [], "machine": {"cpu": "Xeon", "gpu": None},
+                         "recommendation": {"artifact": "onnx"}, "seconds": 2.0}}
+    trt = {"benchmark": {"results": [row("tensorrt", 1, 0.5)], "skipped": [],
+                         "machine": {"cpu": "EPYC", "gpu": "NVIDIA H200"}, "seconds": 1.0}}
+    merged = _merge_manifests(cpu, trt)["benchmark"]
+    assert [r["artifact"] for r in merged["results"]] == ["eager", "onnx", "tensorrt"]
+    assert merged["recommendation"]["artifact"] == "tensorrt" and merged["machine"]["gpu"] == "NVIDIA H200"
+    assert "benchmark" not in _merge_manifests({}, {"artifacts": []})  # neither stage benchmarked

@@ -183,6 +183,9 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
                 stage="load", field="precision", hint="upload the .pt2 (or torch.package) to quantize it",
             )
         _convert_onnx_input(run, loaded, spec, out_dir)
+        if spec.benchmark is not None and "onnx" in spec.targets:
+            with run.stage("benchmark"):
+                _benchmark_onnx_input(run, loaded, spec, out_dir)
         if "tensorrt" in spec.targets and "tensorrt" not in run.deferred:
             with run.stage("tensorrt"):
                 _build_tensorrt_from_onnx_input(run, loaded, spec, out_dir)
@@ -285,6 +288,16 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
                 raise VerificationFailed(message, stage="verify", hint=hint, detail=detail)
             manifest["warnings"].append(f"verification mismatches allowed by spec.verify.fail_on_mismatch=false: {table}")
 
+    if spec.benchmark is not None:
+        with run.stage("benchmark"):
+            from fxport.benchmark import verified_formats
+            from fxport.workers.engine.benchmark import measure
+            from fxport.workers.engine.verify.runners import EagerRunner
+
+            manifest["benchmark"] = measure([EagerRunner(loaded.module), *runners], sig, spec.benchmark,
+                                            verified=verified_formats(records), seed=spec.verify.seed,
+                                            emit=run.emit)
+
     if "tensorrt" in spec.targets and "tensorrt" not in run.deferred:
         with run.stage("tensorrt"):
             from fxport.workers.engine.tensorrt.stage import build_stage
@@ -296,6 +309,7 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
                                  reference=EagerRunner(loaded.module), reference_label="the original model (eager)",
                                  points=trt_points, timing_cache=run.timing_cache)
             manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir))
+            _benchmark_engine(run, engine, sig, spec)
 
 
 @dataclass
@@ -598,6 +612,22 @@ def _convert_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpec, out_dir: 
             preflight_stage(run.manifest, loaded.onnx_path, spec.precision)
 
 
+def _benchmark_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpec, out_dir: Path) -> None:
+    """An ONNX upload's benchmark: onnxruntime on the model itself (there is no eager original to
+    compare with; the artifact is the upload, byte for byte, so it stands as verified)."""
+    import onnx
+
+    from fxport.workers.engine.benchmark import measure
+    from fxport.workers.engine.tensorrt.profiles import signature_from_onnx
+    from fxport.workers.engine.verify.runners import OnnxRuntimeRunner
+
+    assert loaded.onnx_path is not None
+    sig = signature_from_onnx(onnx.load(str(loaded.onnx_path), load_external_data=False), spec.inputs,
+                              spec.dynamic_dims)
+    run.manifest["benchmark"] = measure([OnnxRuntimeRunner(out_dir / "model.onnx", [i.name for i in sig.inputs])],
+                                        sig, spec.benchmark, verified={"onnx"}, seed=spec.verify.seed, emit=run.emit)
+
+
 def _build_tensorrt_from_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpec, out_dir: Path) -> None:
     """The GPU stage: engine from the ONNX model, verified against onnxruntime on that model (the
     original PyTorch model is not here; the CPU stage verified the ONNX model against it)."""
@@ -617,3 +647,20 @@ def _build_tensorrt_from_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpe
                          reference_label="onnxruntime on the ONNX model the engine was built from",
                          points=_sample_points(sig, spec), timing_cache=run.timing_cache)
     run.manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir))
+    _benchmark_engine(run, engine, sig, spec)
+
+
+def _benchmark_engine(run: _Run, engine: Path, sig: InputSignature, spec: JobSpec) -> None:
+    """The TensorRT engine's rows of the benchmark, measured on the GPU that built it (host
+    buffers in and out, as a server feeds it), merged with the CPU stage's rows if any."""
+    if spec.benchmark is None:
+        return
+    from fxport.benchmark import merge, verified_formats
+    from fxport.workers.engine.benchmark import measure
+    from fxport.workers.engine.tensorrt.runner import TrtRunner
+
+    run.emit("tensorrt", 0.9, "benchmarking the engine")
+    bench = measure([TrtRunner(engine, [i.name for i in sig.inputs])], sig, spec.benchmark,
+                    verified=verified_formats(run.manifest["verification"]), seed=spec.verify.seed)
+    bench["machine"]["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    run.manifest["benchmark"] = merge(run.manifest.get("benchmark"), bench)
