@@ -379,7 +379,7 @@ def jobs_download(
 def serve(
     listen: Optional[str] = typer.Option(None, "--listen", help="host:port to serve on (default 127.0.0.1:50051; port 0 = any)."),
     broker: Optional[str] = typer.Option(None, "--broker", help="Celery broker + job store, redis://… (unset = embedded)."),
-    store: Optional[str] = typer.Option(None, "--store", help="Artifact store: s3://BUCKET[/prefix] or file:///dir."),
+    store: Optional[str] = typer.Option(None, "--store", help="Artifact store: s3://BUCKET\\[/prefix] or file:///dir."),
     home: Optional[Path] = typer.Option(None, "--home", help="State folder of the embedded mode (default ./.fxport)."),
     ready_file: Optional[Path] = typer.Option(None, "--ready-file", help="Write host:port here once serving."),
     insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth",
