@@ -440,7 +440,7 @@ class Client:
     # mistyped --server fails fast; a server reporting its backend down gets `retry_s`.
     UNREACHABLE_RETRY_S = 2.0
 
-    def __init__(self, target: str = DEFAULT_SERVER, token: str | None = None, tls: Any = None, *,
+    def __init__(self, target: str | None = None, token: str | None = None, tls: Any = None, *,
                  timeout: float = 30.0, reconnect_s: float = 60.0, chunk_size: int = CHUNK,
                  retry_s: float = 30.0, direct_download: bool | None = None, direct_upload: bool = True) -> None:
         """`direct_download`: fetch artifacts straight from the object store through presigned
@@ -450,7 +450,12 @@ class Client:
 
         `direct_upload`: PUT a model (or calibration file) the server offers a presigned URL for
         straight to the object store; when that fails, and from then on with this client, the
-        bytes go through the server. False: always through the server."""
+        bytes go through the server. False: always through the server.
+
+        With no `target` or `token`, FXPORT_SERVER and FXPORT_TOKEN are read, as the CLI reads
+        them (default server: 127.0.0.1:50051, the embedded default)."""
+        target = target or os.environ.get("FXPORT_SERVER") or DEFAULT_SERVER
+        token = token if token is not None else os.environ.get("FXPORT_TOKEN") or None
         self.target = target
         self.direct_download = direct_download
         self._direct_works: bool | None = None  # learnt on the first artifact

@@ -62,3 +62,16 @@ def test_submit_missing_file_is_invalid_input(tmp_path):
 
     with Client(f"127.0.0.1:{free_port()}") as client, pytest.raises(InvalidInput, match="not found"):
         client.submit(tmp_path / "nope.pt2")
+
+
+def test_a_client_with_no_address_reads_the_environment_as_the_cli_does(monkeypatch):
+    monkeypatch.setenv("FXPORT_SERVER", "fxport.example:443")
+    monkeypatch.setenv("FXPORT_TOKEN", "t0ken")
+    with Client() as c:
+        assert c.target == "fxport.example:443" and c._metadata == (("authorization", "Bearer t0ken"),)
+    with Client("127.0.0.1:1", token="") as c:  # what is passed wins, an empty token included
+        assert c.target == "127.0.0.1:1" and c._metadata == ()
+    monkeypatch.delenv("FXPORT_SERVER")
+    monkeypatch.delenv("FXPORT_TOKEN")
+    with Client() as c:
+        assert c.target == "127.0.0.1:50051" and c._metadata == ()
