@@ -447,7 +447,8 @@ def worker(
     if not Settings().broker_url:
         _err.print("[red]error:[/] a worker needs a broker: --broker redis://… or FXPORT_BROKER_URL")
         raise typer.Exit(EXIT_USAGE)
-    metrics_port = Settings().metrics_port
+    settings = Settings()
+    metrics_port = settings.metrics_port
     if metrics_port is not None:
         # Tasks run in pool child processes: they record into files that the main process's
         # /metrics sums. The directory must be chosen before prometheus_client is imported.
@@ -457,7 +458,7 @@ def worker(
         from fxport.metrics import reset_multiprocess_dir, start_metrics_server
 
         reset_multiprocess_dir()
-        start_metrics_server(metrics_port)
+        start_metrics_server(metrics_port, addr=settings.metrics_bind_address(api=False))
     import fxport.workers.tasks  # noqa: F401  (registers the tasks)
     from fxport.workers.celery_app import app as celery_app
 

@@ -6,6 +6,8 @@ in-process worker pool, no store means files under $FXPORT_HOME (./.fxport).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -29,6 +31,22 @@ class Settings(BaseSettings):
     job_soft_time_limit_s: int = Field(1800, description="Soft per-job limit: the job FAILS cleanly, naming the stage.")
     job_hard_time_limit_s: int = Field(2100, description="Hard per-job limit: the worker process is killed.")
     metrics_port: int | None = Field(None, description="Serve Prometheus metrics on this port (unset = off).")
+    metrics_host: str | None = Field(
+        None, description="Address the metrics endpoint binds. Unset: every address in a Kubernetes pod "
+        "(KUBERNETES_SERVICE_HOST is set), where Prometheus and the kubelet's probes reach the pod IP; loopback "
+        "elsewhere, unless the API itself listens beyond loopback.")
+
+    def metrics_bind_address(self, *, api: bool, env: Mapping[str, str] | None = None) -> str:
+        """Where /metrics listens: metrics_host, or the default it describes (`api`: for the API
+        server, which keeps its metrics on loopback when it listens there)."""
+        if self.metrics_host:
+            return self.metrics_host
+        if "KUBERNETES_SERVICE_HOST" in (os.environ if env is None else env):
+            return "0.0.0.0"
+        if api:
+            host = self.listen.rsplit(":", 1)[0].strip("[]")
+            return host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
+        return "127.0.0.1"
     spool_dir: Path | None = Field(None, description="Where uploads are spooled before storage (default: system temp).")
     jobs_url: str | None = Field(
         None,

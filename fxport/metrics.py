@@ -195,7 +195,7 @@ def mark_process_dead(pid: int) -> None:
 
 
 def start_metrics_server(
-    port: int, addr: str = "0.0.0.0", registry: CollectorRegistry | None = None
+    port: int, addr: str = "127.0.0.1", registry: CollectorRegistry | None = None
 ) -> tuple[WSGIServer, int]:
     """Serve /metrics on `addr:port` from a daemon thread; port 0 picks a free port.
 

@@ -122,9 +122,7 @@ def _add_cache_and_metrics(settings: Settings, servicer: ConversionServicer, on_
     if settings.metrics_port is not None:
         from fxport.metrics import start_metrics_server
 
-        # A server that listens on loopback only keeps its metrics there too.
-        host = settings.listen.rsplit(":", 1)[0].strip("[]")
-        addr = host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
+        addr = settings.metrics_bind_address(api=True)
         box: list[Any] = []
         on_start.append(lambda: box.append(start_metrics_server(settings.metrics_port, addr=addr)[0]))
         on_stop.append(lambda: [m.shutdown() for m in box])

@@ -113,3 +113,15 @@ def test_multiprocess_mode_serves_values_recorded_in_pool_children(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert not stale.exists()
+
+
+def test_the_metrics_endpoint_stays_on_loopback_outside_kubernetes():
+    from fxport.config import Settings
+
+    worker = Settings()
+    assert worker.metrics_bind_address(api=False, env={}) == "127.0.0.1"
+    assert worker.metrics_bind_address(api=False, env={"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == "0.0.0.0"
+    assert Settings(listen="127.0.0.1:50051").metrics_bind_address(api=True, env={}) == "127.0.0.1"
+    assert Settings(listen="0.0.0.0:50051").metrics_bind_address(api=True, env={}) == "0.0.0.0"
+    assert Settings(metrics_host="10.1.2.3").metrics_bind_address(api=False, env={"KUBERNETES_SERVICE_HOST": "x"}) \
+        == "10.1.2.3"
