@@ -188,7 +188,8 @@ def main(argv: list[str]) -> int:
                 manifest = convert(pt2, spec, cpu_out, deferred_targets=("tensorrt",))
                 row["cpu_stage_s"] = round(time.perf_counter() - t0, 2)
                 row["preflight"] = {k: manifest["tensorrt"]["preflight"][k] for k in ("ok", "errors", "warnings")}
-                return cpu_out / "model.onnx"
+                # int8 made the engine its own symmetric ONNX beside the onnxruntime one
+                return next(p for p in (cpu_out / "model.tensorrt.onnx", cpu_out / "model.onnx") if p.is_file())
 
             onnx_path = report.step(f"{precision}.cpu_stage", cpu_stage)
             if onnx_path is None:

@@ -84,7 +84,9 @@ def render_quantization(quant: dict[str, Any], console: Console) -> None:
     cal = quant.get("calibration") or {}
     e2e = quant.get("end_to_end") or {}
     source = "[yellow]random samples[/]" if cal.get("source") == "random" else "file"
-    line = (f"[bold]int8[/] ({quant.get('observer')} observer; calibration: {source}, {cal.get('samples')} samples, "
+    runtime = quant.get("runtime")
+    scheme = f"{runtime} scheme, " if runtime else ""
+    line = (f"[bold]int8[/] ({scheme}{quant.get('observer')} observer; calibration: {source}, {cal.get('samples')} samples, "
             f"{cal.get('held_out')} held out) — end-to-end cosine {_num(e2e.get('cosine'), '{:.5f}')}, "
             f"top-1 agreement {_num(e2e.get('top1_agreement'), '{:.3f}')}")
     if quant.get("target_cosine") is not None:
@@ -108,6 +110,15 @@ def render_quantization(quant: dict[str, Any], console: Console) -> None:
                 if latency.get("ms_all_int8") is not None else
                 f" — {100 * (quant.get('fallback') or {}).get('fp32_macs_share', 0):.1f}% of the multiply-adds in fp32")
         console.print(f"kept in fp32 to reach the target: {', '.join(fallback)}{cost}")
+    for other, report in (quant.get("schemes") or {}).items():
+        if other == runtime:
+            continue
+        e2e = report.get("end_to_end") or {}
+        kept = report.get("fallback_layers") or []
+        console.print(f"also the [bold]{other}[/] scheme (its own ONNX model, for the {other} target): end-to-end "
+                      f"cosine {_num(e2e.get('cosine'), '{:.5f}')}, top-1 agreement "
+                      f"{_num(e2e.get('top1_agreement'), '{:.3f}')}"
+                      + (f"; kept in fp32: {', '.join(kept)}" if kept else ""))
 
 
 def _num(value: Any, fmt: str) -> str:

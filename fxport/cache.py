@@ -59,6 +59,9 @@ REHASH_THREADS = 4
 def spec_digest(spec: JobSpec) -> str:
     """sha256 of the normalized spec without the fields that do not shape the artifacts."""
     data = {k: v for k, v in spec.normalized().items() if k not in NOT_CONVERSION_INPUTS}
+    if spec.precision == "int8":
+        # int8 artifacts follow the runtimes they are for (an older fxport made symmetric ones for all)
+        data["int8_runtimes"] = spec.int8_runtimes()
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -446,7 +446,14 @@ def _quantization_section(m: dict[str, Any]) -> Optional[str]:
                      _num_cell(layer.get("cosine"), "{:.6f}"),
                      '<span class="badge fail">fallback (fp32)</span>' if fb else '<span class="badge ok">int8</span>'])
         classes.append("fallback" if fb else "int8")
-    return (f"<p>{len(layers)} quantized layers; <strong>{len(fallbacks)}</strong> fell back to fp32 "
+    schemes = "".join(
+        f"<li><strong>{_e(rt)}</strong>{' (the table below)' if rt == quant.get('runtime') else ''}: "
+        f"{_e((r.get('scheme') or {}).get('activations'))}; end-to-end cosine "
+        f"{_e(_fmt_number((r.get('end_to_end') or {}).get('cosine'), '{:.5f}'))}, "
+        f"{len(r.get('fallback_layers') or [])} layer(s) in fp32</li>"
+        for rt, r in (quant.get("schemes") or {}).items())
+    return ((f"<p>int8 schemes, one per runtime the artifacts are for:</p><ul>{schemes}</ul>" if schemes else "")
+            + f"<p>{len(layers)} quantized layers; <strong>{len(fallbacks)}</strong> fell back to fp32 "
             '(red bars).</p>' + chart
             + _table(["layer", "SQNR (dB)", "cosine", "kept as"], rows, table_id="quantization-table",
                      row_classes=classes))
@@ -688,6 +695,10 @@ def _table(headers: list[str], rows: Iterable[list[str]], *, table_id: str | Non
         cls = f' class="{row_classes[i]}"' if row_classes else ""
         body.append(f"<tr{cls}>" + "".join(c if c.startswith("<td") else f"<td>{c}</td>" for c in row) + "</tr>")
     return f"<table{tid}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _fmt_number(value: Any, fmt: str) -> str:
+    return fmt.format(value) if isinstance(value, (int, float)) else "–"
 
 
 def _num_cell(value: Any, fmt: str = "{}") -> str:

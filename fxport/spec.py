@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Sequence, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -225,10 +225,20 @@ class CalibrationSpec(_Strict):
     observer: Literal["minmax", "percentile", "entropy"] = "minmax"
 
 
+INT8_RUNTIMES = ("onnxruntime", "tensorrt")
+
+
 class QuantizationSpec(_Strict):
     method: Literal["static"] = "static"
     calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
     target_cosine: float | None = Field(None, gt=0, le=1)
+    runtime: Literal["onnxruntime", "tensorrt"] | None = Field(
+        None, description="The runtime the int8 artifacts are for: onnxruntime (asymmetric uint8 activations, what "
+        "CPU kernels keep accurate) or tensorrt (symmetric int8, zero point 0, what TensorRT takes). Default: from "
+        "the targets; with tensorrt and a CPU target, both, each in its own artifact.")
+    reduce_range: bool | None = Field(
+        None, description="7-bit weights in the onnxruntime scheme, so that CPUs without VNNI cannot saturate "
+        "(at a cost in precision everywhere). Default: off.")
 
 
 class OnnxOptions(_Strict):
@@ -369,9 +379,28 @@ class JobSpec(_Strict):
         unused = set(self.dynamic_dims) - used
         if unused and self.inputs:
             raise ValueError(f"dynamic_dims {sorted(unused)} are not used by any input shape")
-        if self.precision != "int8" and self.quantization.target_cosine is not None:
-            raise ValueError("quantization.target_cosine is set but precision is not int8")
+        q = self.quantization
+        for key in ("target_cosine", "runtime", "reduce_range"):
+            if self.precision != "int8" and getattr(q, key) is not None:
+                raise ValueError(f"quantization.{key} is set but precision is not int8")
+        if q.runtime == "onnxruntime" and "tensorrt" in self.targets:
+            raise ValueError("quantization.runtime onnxruntime cannot feed the tensorrt target: TensorRT takes only "
+                             "symmetric int8 (zero point 0); leave quantization.runtime out to get an artifact for each")
+        if q.runtime == "tensorrt" and q.reduce_range:
+            raise ValueError("quantization.reduce_range applies to the onnxruntime scheme; TensorRT uses 8-bit weights")
         return self
+
+    def int8_runtimes(self, also_targets: Sequence[str] = ()) -> list[str]:
+        """The runtimes int8 artifacts are made for, in order (the first is the CPU artifacts' own).
+        `also_targets`: targets built later from this run's ONNX (a worker's CPU stage defers tensorrt)."""
+        if self.precision != "int8":
+            return []
+        if self.quantization.runtime is not None:
+            return [self.quantization.runtime]
+        targets = [*self.targets, *also_targets]
+        if "tensorrt" not in targets:
+            return ["onnxruntime"]
+        return ["onnxruntime", "tensorrt"] if any(t != "tensorrt" for t in targets) else ["tensorrt"]
 
     # -- derived -------------------------------------------------------------------------
 
@@ -381,6 +410,9 @@ class JobSpec(_Strict):
         data = self.model_dump(mode="json")
         if data.get("benchmark") is None:
             data.pop("benchmark", None)
+        for key in ("runtime", "reduce_range"):  # likewise for the int8 scheme's options
+            if data["quantization"].get(key) is None:
+                data["quantization"].pop(key, None)
         return data
 
     def digest(self) -> str:

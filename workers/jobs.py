@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3  # a job that kills its worker this many times fails instead of looping
 CANCEL_POLL_S = 0.5
 PROGRESS_EVERY_S = 0.25  # progress events within one stage, at most this often per job
-_KEEP_ON_FAILURE = ("manifest.json", "report.html")  # what a failed job still publishes
+_KEEP_ON_FAILURE = ("manifest.json", "report.html")
+ENGINE_ONNX = ("model.tensorrt.onnx", "model.onnx")  # what the GPU stage builds from, in order of preference  # what a failed job still publishes
 
 
 class RetryLater(Exception):
@@ -276,7 +277,7 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
     if rec.terminal:
         log.info("job already %s; nothing to do (a replayed task)", rec.state.value)
         return rec
-    if rec.state is JobState.QUEUED and rec.stage == "tensorrt" and any(a.name == "model.onnx" for a in rec.artifacts):
+    if rec.state is JobState.QUEUED and rec.stage == "tensorrt" and any(a.name in ENGINE_ONNX for a in rec.artifacts):
         # A redelivered CPU task whose work was done and handed on: hand on again (same task id), nothing more.
         if ctx.enqueue_stage is not None:
             ctx.enqueue_stage("tensorrt", job_id)
@@ -299,7 +300,11 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         cpu_targets = [t for t in spec.targets if t != "tensorrt"]
         if "onnx" not in cpu_targets:
             cpu_targets.append("onnx")
-        spec = parse_spec({**rec.spec, "targets": cpu_targets})
+        cpu_spec = {**rec.spec, "targets": cpu_targets}
+        if spec.int8_runtimes() == ["tensorrt"]:
+            # tensorrt alone: the onnx target here is only the engine's input, so int8 stays TensorRT's scheme
+            cpu_spec["quantization"] = {**rec.spec.get("quantization", {}), "runtime": "tensorrt"}
+        spec = parse_spec(cpu_spec)
     spec, clamped = clamp_limits(spec, ctx.settings)
     if clamped:
         ctx.jobs.transition(job_id, message="; ".join(clamped))
@@ -466,9 +471,11 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
     if rec is None or not changed:
         return rec
     earlier = {a.name: a for a in rec.artifacts}
-    onnx = earlier.get("model.onnx")
-    if onnx is None:
+    # an int8 job with a CPU target made the engine its own (symmetric) ONNX beside model.onnx
+    onnx_name = next((name for name in ENGINE_ONNX if name in earlier), None)
+    if onnx_name is None:
         return _fail(ctx, job_id, "tensorrt", "missing_input", "the TensorRT stage found no model.onnx from the CPU stage")
+    onnx = earlier[onnx_name]
     spec, _ = clamp_limits(parse_spec({**rec.spec, "targets": ["tensorrt"]}), ctx.settings)
     with tempfile.TemporaryDirectory(prefix=f"fxport-trt-{job_id}-", dir=ctx.settings.work_dir) as tmp_str:
         tmp = Path(tmp_str)
@@ -479,10 +486,10 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
             from fxport.workers.engine.tensorrt.timing_cache import fetch_shared_cache, publish_shared_cache
             from fxport.workers.sandbox import beneath
 
-            onnx_path = tmp / "input" / "model.onnx"
+            onnx_path = tmp / "input" / onnx_name
             ctx.artifacts.get(onnx.key, onnx_path)
-            if "model.onnx.data" in earlier:  # weights beside the graph (spec.onnx.single_file: false)
-                ctx.artifacts.get(earlier["model.onnx.data"].key, onnx_path.with_name("model.onnx.data"))
+            if f"{onnx_name}.data" in earlier:  # weights beside the graph (spec.onnx.single_file: false)
+                ctx.artifacts.get(earlier[f"{onnx_name}.data"].key, onnx_path.with_name(f"{onnx_name}.data"))
             cpu_manifest = _stored_manifest(ctx, earlier.get("manifest.json"), tmp / "cpu-manifest.json")
             spec = _with_cpu_signature(spec, cpu_manifest)
             cache = (fetch_shared_cache(ctx.artifacts, tmp / "cache" / "timing.cache",

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -30,11 +30,13 @@ from fxport.workers.engine.verify.comparator import SamplePoint, verify_artifact
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
+TENSORRT_ONNX = "onnx_tensorrt"  # int8 with a CPU target and tensorrt: the engine's own (symmetric) ONNX
 ARTIFACT_PATHS = {
     "torchscript": "model.ts",
     "onnx": "model.onnx",
     "exported_program": "model.pt2",
     "fx_source": "fx_source",
+    TENSORRT_ONNX: "model.tensorrt.onnx",
 }
 TORCH_TARGETS = ("torchscript", "exported_program", "fx_source")
 WRITING_DIR = ".writing"  # where an exporter writes; never an artifact name (those never start with '.')
@@ -219,10 +221,13 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
         targets = [t for t in spec.targets if t in ARTIFACT_PATHS]
         if _wants_tensorrt(spec, run) and "onnx" not in targets:
             targets.append("onnx")  # the TensorRT engine is built from it
+        if _wants_tensorrt(spec, run) and reduced is not None and reduced.separate_tensorrt_onnx:
+            targets.append(TENSORRT_ONNX)  # int8 for TensorRT is its own ONNX (symmetric), beside model.onnx
         extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
         for i, target in enumerate(targets):
             run.emit("export", i / max(len(targets), 1), target)
-            written[target], note = _export_one(target, reduced.graph_module if reduced else gm, example, sig, spec,
+            graph = reduced.graph_for(target) if reduced else gm
+            written[target], note = _export_one(target, graph, example, sig, spec,
                                                 out_dir, original=loaded.module, extremes=extremes,
                                                 precision=spec.precision)
             if note and reduced is None:
@@ -230,15 +235,19 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
             elif note:  # how a reduced-precision artifact was built (int8 kernels or fake-quant, ...)
                 manifest["quantization"].setdefault("artifact_notes", {})[target] = note
         for target, path in written.items():
-            manifest["artifacts"].extend(_artifact_records(target, path, out_dir))
-        if reduced is not None and reduced.int8 is not None and "onnx" in written:
-            run.emit("export", 0.95, "checking the int8 ONNX model")
-            _check_int8_onnx(run, reduced, written["onnx"], example, sig, spec)
+            manifest["artifacts"].extend(_artifact_records(target, path, out_dir,
+                                                           int8_scheme=reduced.scheme_of(target) if reduced else None))
+        if reduced is not None and reduced.int8 is not None:
+            for target in ("onnx", TENSORRT_ONNX):
+                if target in written:
+                    run.emit("export", 0.95, f"checking the int8 ONNX model {written[target].name}")
+                    _check_int8_onnx(run, reduced, target, written[target], example, sig, spec)
+        trt_onnx = written.get(TENSORRT_ONNX, written.get("onnx"))
         if _wants_tensorrt(spec, run):  # fail here, in seconds, on what TensorRT's parser rejects
             from fxport.workers.engine.tensorrt.stage import preflight_stage
 
             run.emit("export", 0.97, "TensorRT preflight")
-            preflight_stage(manifest, written["onnx"], spec.precision)
+            preflight_stage(manifest, trt_onnx, spec.precision)
 
     with run.stage("verify"):
         from fxport.workers.engine.verify.precision import PrecisionComparison, tolerances_for
@@ -249,6 +258,8 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
         comparison = PrecisionComparison(tol) if reduced is not None else None
         points = _held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8 else _sample_points(sig, spec)
         runners = _runners(written, sig)
+        if reduced is not None and reduced.int8 is not None:
+            runners = _int8_runners(run, reduced, runners)
         records = verify_artifacts(
             EagerRunner(loaded.module), runners, points, tol.options,
             on_runner=lambda name: run.emit("verify", 0.5, name),
@@ -275,16 +286,24 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
                     if reduced.int8 is not None:
                         from fxport.workers.engine.quantize.ptq import layer_table
 
-                        detail = layer_table(manifest["quantization"], limit=1000)
-                        message += "\nper-layer error (worst first, held-out data):\n" + layer_table(manifest["quantization"])
+                        # the per-layer report of the scheme the first failed artifact was made in
+                        runtime = reduced.runtime_for(failed[0]["format"])
+                        report = manifest["quantization"]["schemes"].get(runtime, manifest["quantization"])
+                        detail = layer_table(report, limit=1000)
+                        message += (f"\nper-layer error of the {runtime} scheme (worst first, held-out data):\n"
+                                    + layer_table(report))
                         hint = ("set quantization.target_cosine to keep the most damaged layers in fp32, give "
                                 "representative calibration data, or try another calibration observer")
                         from fxport.workers.engine.quantize.observers import exact_int8_dot_products
 
-                        if not exact_int8_dot_products():
-                            hint += ("; note that this worker's CPU has no VNNI: its int8 kernels (onnxruntime, "
-                                     "fbgemm) sum u8×s8 pairs into saturating int16, so int8 artifacts lose accuracy "
-                                     "here that they keep on VNNI CPUs and on GPUs — verify int8 on a worker with VNNI")
+                        if not exact_int8_dot_products() and runtime == "tensorrt":
+                            hint += ("; note that this worker's CPU has no VNNI: its int8 kernels (fbgemm) sum u8×s8 "
+                                     "pairs into saturating int16, which the symmetric TensorRT scheme suffers from "
+                                     "— leave quantization.runtime out (or set onnxruntime) for CPU artifacts")
+                        elif not exact_int8_dot_products() and not reduced.int8.scheme.reduce_range:
+                            hint += ("; note that this worker's CPU has no VNNI: its int8 kernels sum u8×s8 pairs "
+                                     "into saturating int16 — quantization.reduce_range: true (7-bit weights) rules "
+                                     "that out")
                 raise VerificationFailed(message, stage="verify", hint=hint, detail=detail)
             manifest["warnings"].append(f"verification mismatches allowed by spec.verify.fail_on_mismatch=false: {table}")
 
@@ -294,7 +313,9 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
             from fxport.workers.engine.benchmark import measure
             from fxport.workers.engine.verify.runners import EagerRunner
 
-            manifest["benchmark"] = measure([EagerRunner(loaded.module), *runners], sig, spec.benchmark,
+            # the ONNX made for TensorRT is timed as the engine, on the GPU, not in onnxruntime here
+            cpu_runners = [r for r in runners if r.name != TENSORRT_ONNX]
+            manifest["benchmark"] = measure([EagerRunner(loaded.module), *cpu_runners], sig, spec.benchmark,
                                             verified=verified_formats(records), seed=spec.verify.seed,
                                             emit=run.emit)
 
@@ -305,20 +326,40 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
 
             trt_points = (_held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8
                           else _sample_points(sig, spec))
-            engine = build_stage(manifest, run.emit, onnx_path=written["onnx"], sig=sig, spec=spec, out_dir=out_dir,
+            engine = build_stage(manifest, run.emit, onnx_path=trt_onnx, sig=sig, spec=spec, out_dir=out_dir,
                                  reference=EagerRunner(loaded.module), reference_label="the original model (eager)",
                                  points=trt_points, timing_cache=run.timing_cache)
-            manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir))
+            manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir,
+                                                           int8_scheme=reduced.scheme_of("tensorrt") if reduced else None))
             _benchmark_engine(run, engine, sig, spec)
 
 
 @dataclass
 class _Reduced:
-    """The quantize stage's output: the graph every artifact comes from, and what made it."""
+    """The quantize stage's output: the graph every artifact comes from, and what made it.
+
+    int8 makes one Q/DQ graph per runtime the artifacts are for (spec.int8_runtimes()): the
+    first feeds every CPU artifact, the tensorrt one (when it is not the first) only the ONNX
+    the engine is built from, model.tensorrt.onnx."""
 
     graph_module: Any
-    int8: Any = None  # quantize.ptq.Int8Result
+    int8: Any = None  # quantize.ptq.Int8Result of the first runtime
     calibration: Any = None  # calibration.CalibrationData
+    by_runtime: dict[str, Any] = field(default_factory=dict)  # runtime → Int8Result
+
+    @property
+    def separate_tensorrt_onnx(self) -> bool:
+        return self.int8 is not None and "tensorrt" in self.by_runtime and self.int8.scheme.runtime != "tensorrt"
+
+    def runtime_for(self, target: str) -> str:
+        """The int8 scheme (its runtime) of an int8 job's artifact."""
+        return "tensorrt" if target in (TENSORRT_ONNX, "tensorrt") else str(self.int8.scheme.runtime)
+
+    def scheme_of(self, target: str) -> str | None:
+        return self.runtime_for(target) if self.int8 is not None else None
+
+    def graph_for(self, target: str) -> Any:
+        return self.by_runtime["tensorrt"].graph_module if target == TENSORRT_ONNX else self.graph_module
 
 
 def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, example: tuple[Any, ...],
@@ -338,55 +379,103 @@ def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, ex
         }
         return _Reduced(half.graph_module)
 
+    from fxport.benchmark import machine_info
     from fxport.workers.engine.calibration import load_calibration
-    from fxport.workers.engine.quantize.ptq import quantize_int8
+    from fxport.workers.engine.quantize.observers import exact_int8_dot_products
+    from fxport.workers.engine.quantize.ptq import calibrate_int8, quantize_int8
+    from fxport.workers.engine.quantize.scheme import scheme_for
 
     run.emit("quantize", 0.0, "loading calibration data" if calibration_path else "drawing random calibration samples")
     data = load_calibration(calibration_path, sig, spec.quantization.calibration, spec.verify.seed)
     manifest["warnings"].extend(data.warnings)
-    result = quantize_int8(gm, data.calibration, data.held_out, spec.quantization,
-                           on_progress=lambda frac, msg: run.emit("quantize", frac, msg))
-    manifest["quantization"] = {**result.report, "calibration": data.info}
-    manifest["warnings"].extend(f"int8: {note}" for note in result.report.get("notes", []))
-    if result.report["fallback_layers"]:
-        manifest["warnings"].append(
-            f"int8: {len(result.report['fallback_layers'])} layer(s) kept in fp32 to reach quantization.target_cosine="
-            f"{spec.quantization.target_cosine}: {', '.join(result.report['fallback_layers'])}")
-    if result.report["end_to_end"]["target_met"] is False:
-        manifest["warnings"].append(
-            f"int8: end-to-end cosine {result.report['end_to_end']['cosine']:.5f} misses quantization.target_cosine="
-            f"{spec.quantization.target_cosine} with {len(result.report['fallback_layers'])} of "
-            f"{len(result.report['layers'])} layers kept in fp32")
-    return _Reduced(result.graph_module, int8=result, calibration=data)
+    exact = exact_int8_dot_products()
+    # 8-bit weights by default, on every CPU: with uint8 activations (mostly small after a ReLU) too few
+    # u8×s8 pairs saturate on CPUs without VNNI to be worth the precision 7-bit weights lose everywhere
+    reduce_range = bool(spec.quantization.reduce_range)
+    runtimes = spec.int8_runtimes(also_targets=run.deferred)
+    share = 1.0 / (len(runtimes) + 1)  # calibration, then each scheme's conversion, report and fallback
+    calibrated = calibrate_int8(gm, data.calibration, spec.quantization,
+                                on_progress=lambda frac, msg: run.emit("quantize", share * frac, msg))
+    by_runtime: dict[str, Any] = {}
+    for k, runtime in enumerate(runtimes):
+        scheme = scheme_for(runtime, reduce_range=reduce_range)  # type: ignore[arg-type]
+        by_runtime[runtime] = quantize_int8(
+            gm, data.calibration, data.held_out, spec.quantization, scheme=scheme, calibrated=calibrated,
+            on_progress=lambda frac, msg, k=k, rt=runtime: run.emit("quantize", share * (k + 1 + frac), f"{rt}: {msg}"))
+    result = by_runtime[runtimes[0]]
+    machine = machine_info()
+    manifest["quantization"] = {
+        **result.report, "calibration": data.info,
+        # where each scheme's onnxruntime/fbgemm results were measured: int8 accuracy on a CPU depends on it
+        "verified_on": {"cpu": machine["cpu"], "arch": machine["arch"], "isa": machine["isa"],
+                        "exact_int8_dot_products": exact},
+        "schemes": {rt: r.report for rt, r in by_runtime.items()},
+    }
+    for runtime, r in by_runtime.items():
+        label = f"int8 ({runtime} scheme)" if len(by_runtime) > 1 else "int8"
+        manifest["warnings"].extend(f"{label}: {note}" for note in r.report.get("notes", []) if runtime == runtimes[0])
+        if r.report["fallback_layers"]:
+            manifest["warnings"].append(
+                f"{label}: {len(r.report['fallback_layers'])} layer(s) kept in fp32 to reach "
+                f"quantization.target_cosine={spec.quantization.target_cosine}: {', '.join(r.report['fallback_layers'])}")
+        if r.report["end_to_end"]["target_met"] is False:
+            manifest["warnings"].append(
+                f"{label}: end-to-end cosine {r.report['end_to_end']['cosine']:.5f} misses quantization.target_cosine="
+                f"{spec.quantization.target_cosine} with {len(r.report['fallback_layers'])} of "
+                f"{len(r.report['layers'])} layers kept in fp32")
+    return _Reduced(result.graph_module, int8=result, calibration=data, by_runtime=by_runtime)
 
 
-def _check_int8_onnx(run: _Run, reduced: _Reduced, onnx_path: Path, example: tuple[Any, ...], sig: InputSignature,
-                     spec: JobSpec) -> None:
+def _int8_runners(run: _Run, reduced: _Reduced, runners: list[Any]) -> list[Any]:
+    """Each int8 artifact is verified for the runtime its scheme is for. The CPU artifacts run on this CPU's
+    int8 kernels. The ONNX made for TensorRT cannot run in TensorRT here: onnxruntime runs its Q/DQ as
+    written (float kernels), which checks the numbers TensorRT is to compute, and the engine is verified
+    where it is built."""
+    kept = []
+    for runner in runners:
+        if runner.name in ("onnx", TENSORRT_ONNX) and reduced.runtime_for(runner.name) == "tensorrt":
+            name, runner = runner.name, type(runner)(runner.path, runner.input_names, int8_kernels=False)
+            runner.name = name
+            run.manifest["quantization"]["schemes"]["tensorrt"]["verified_in"] = (
+                f"{runner.runtime} here; the engine against the original model where it is built")
+        kept.append(runner)
+    return kept
+
+
+def _check_int8_onnx(run: _Run, reduced: _Reduced, target: str, onnx_path: Path, example: tuple[Any, ...],
+                     sig: InputSignature, spec: JobSpec) -> None:
     """Record which int8 kernels onnxruntime runs, TensorRT's Q/DQ rules, and the fallback's latency cost."""
     try:
-        _inspect_int8_onnx(run, reduced, onnx_path, example, sig, spec)
+        _inspect_int8_onnx(run, reduced, target, onnx_path, example, sig, spec)
     except Exception as exc:  # a report that could not be made never fails the conversion
-        run.manifest["warnings"].append(f"int8: the ONNX model could not be inspected: {type(exc).__name__}: {exc}")
+        run.manifest["warnings"].append(f"int8: {onnx_path.name} could not be inspected: {type(exc).__name__}: {exc}")
 
 
-def _inspect_int8_onnx(run: _Run, reduced: _Reduced, onnx_path: Path, example: tuple[Any, ...], sig: InputSignature,
-                       spec: JobSpec) -> None:
+def _inspect_int8_onnx(run: _Run, reduced: _Reduced, target: str, onnx_path: Path, example: tuple[Any, ...],
+                       sig: InputSignature, spec: JobSpec) -> None:
     from fxport.workers.engine.verify import onnx_quantization as oq
 
-    quant = run.manifest["quantization"]
+    result = reduced.by_runtime[reduced.runtime_for(target)]
+    primary = result is reduced.int8
+    # the first scheme's report is the quantization section itself; another's sits in its "schemes" entry
+    quant = run.manifest["quantization"] if primary else run.manifest["quantization"]["schemes"][result.scheme.runtime]
     kernels = oq.onnxruntime_kernels(onnx_path)
-    quant["onnx"] = {"onnxruntime": kernels, "tensorrt_explicit_quantization": oq.explicit_quantization_issues(onnx_path)}
-    if not kernels["int8_kernels"]:
+    quant["onnx"] = {"onnxruntime": kernels}
+    if result.scheme.runtime == "tensorrt":  # the onnxruntime scheme's uint8 zero points are not for TensorRT
+        quant["onnx"]["tensorrt_explicit_quantization"] = oq.explicit_quantization_issues(onnx_path)
+    if primary:
+        run.manifest["quantization"]["schemes"][result.scheme.runtime]["onnx"] = quant["onnx"]
+    if not kernels["int8_kernels"] and result.scheme.runtime == "onnxruntime":
         run.manifest["warnings"].append("int8: onnxruntime fused no Q/DQ into int8 kernels; the ONNX model runs in float")
     fallback = quant["fallback_layers"]
-    if not fallback:
+    if not fallback or result.scheme.runtime != "onnxruntime":
         return
     from fxport.workers.engine.exporters.onnx import OnnxFromGraphModule
 
     feed_args = reduced.calibration.held_out[0]
     feed = {i.name: a.numpy() for i, a in zip(sig.inputs, feed_args)}
     with tempfile.TemporaryDirectory(prefix="fxport-int8-") as tmp:
-        all_int8 = reduced.int8.convert_with({layer.name for layer in reduced.int8.layers})
+        all_int8 = result.convert_with({layer.name for layer in result.layers})
         other = OnnxFromGraphModule(all_int8.gm, example, input_names=[i.name for i in sig.inputs],
                                     dynamic_shapes=sig.dynamic_shapes(), opset=spec.onnx.opset)(Path(tmp) / "all_int8.onnx")
         with_fallback = oq.onnxruntime_latency_ms(onnx_path, feed)
@@ -525,12 +614,15 @@ def _write_artifact(target: str, gm: Any, example: tuple[Any, ...], sig: InputSi
         ) from exc
 
 
-def _artifact_records(target: str, path: Path, out_dir: Path) -> list[dict[str, Any]]:
+def _artifact_records(target: str, path: Path, out_dir: Path, *, int8_scheme: str | None = None
+                      ) -> list[dict[str, Any]]:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    if target == "onnx" and (out_dir / "model.onnx.data").exists():
-        files.append(out_dir / "model.onnx.data")
+    if target in ("onnx", TENSORRT_ONNX) and path.with_name(path.name + ".data").exists():
+        files.append(path.with_name(path.name + ".data"))
+    scheme = {"int8_scheme": int8_scheme} if int8_scheme else {}
     return [
-        {"format": target, "path": str(f.relative_to(out_dir)), "bytes": f.stat().st_size, "sha256": file_sha256(f)}
+        {"format": target, "path": str(f.relative_to(out_dir)), "bytes": f.stat().st_size, "sha256": file_sha256(f),
+         **scheme}
         for f in files
     ]
 
@@ -560,8 +652,10 @@ def _runners(written: dict[str, Path], sig: InputSignature) -> list[Any]:
             out.append(r.ExportedProgramRunner(path))
         elif target == "fx_source":
             out.append(r.FxSourceRunner(path, MODULE_CLASS))
-        elif target == "onnx":
-            out.append(r.OnnxRuntimeRunner(path, [i.name for i in sig.inputs]))
+        elif target in ("onnx", TENSORRT_ONNX):
+            runner = r.OnnxRuntimeRunner(path, [i.name for i in sig.inputs])
+            runner.name = target
+            out.append(runner)
     return out
 
 
@@ -643,10 +737,14 @@ def _build_tensorrt_from_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpe
     run.manifest["inputs"] = {"inputs": [i.model_dump() for i in sig.inputs],
                               "dynamic_dims": {k: v.model_dump() for k, v in sig.dynamic_dims.items()}}
     engine = build_stage(run.manifest, run.emit, onnx_path=loaded.onnx_path, sig=sig, spec=spec, out_dir=out_dir,
-                         reference=OnnxRuntimeRunner(loaded.onnx_path, [i.name for i in sig.inputs]),
+                         # an int8 (Q/DQ) model's reference runs as written: this host CPU's int8 kernels
+                         # may saturate what TensorRT computes exactly (x86 without VNNI)
+                         reference=OnnxRuntimeRunner(loaded.onnx_path, [i.name for i in sig.inputs],
+                                                     int8_kernels=spec.precision != "int8"),
                          reference_label="onnxruntime on the ONNX model the engine was built from",
                          points=_sample_points(sig, spec), timing_cache=run.timing_cache)
-    run.manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir))
+    run.manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir,
+                                                       int8_scheme="tensorrt" if spec.precision == "int8" else None))
     _benchmark_engine(run, engine, sig, spec)
 
 

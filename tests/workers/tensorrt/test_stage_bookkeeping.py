@@ -150,3 +150,50 @@ def test_a_failed_gpu_stage_keeps_the_cpu_manifest_and_adds_its_error(ctx, tmp_p
     merged = stored_json(ctx, f"default/jobs/{rec.id}/manifest.json", tmp_path / "m.json")
     assert merged["status"] == "failed" and "n7" in merged["error"]["message"]
     assert merged["tensorrt"]["preflight"]["ok"] and merged["inputs"] == SIG  # the CPU stage's record survives
+
+
+def test_gpu_stage_builds_from_the_tensorrt_onnx_when_int8_made_one_for_each_runtime(ctx, tmp_path):
+    """int8 with a CPU target and tensorrt: model.onnx is onnxruntime's (uint8 activations), and the engine
+    must come from model.tensorrt.onnx (symmetric int8), the one TensorRT takes."""
+    def cpu_int8_engine(model_path, spec, out_dir, *, job_id, calibration_path=None, on_progress=None,
+                        timeout_s=None, deferred_targets=()):
+        arts = [_write(out_dir, "model.onnx", b"uint8 activations", "onnx"),
+                _write(out_dir, "model.tensorrt.onnx", b"symmetric int8", "onnx_tensorrt")]
+        manifest = {"artifacts": arts, "verification": [{"format": "onnx", "passed": True}], "inputs": SIG,
+                    "warnings": [], "tensorrt": {"preflight": {"ok": True, "errors": []}}}
+        (out_dir / "manifest.json").write_text(json.dumps(manifest))
+        return manifest
+
+    seen: dict = {}
+
+    def gpu_engine(model_path, spec, out_dir, *, job_id, on_progress=None, timeout_s=None, timing_cache_path=None):
+        seen["bytes"] = Path(model_path).read_bytes()
+        art = _write(out_dir, "model.engine", b"engine", "tensorrt")
+        manifest = {"artifacts": [art], "verification": [{"format": "tensorrt", "passed": True}], "warnings": []}
+        (out_dir / "manifest.json").write_text(json.dumps(manifest))
+        return manifest
+
+    ctx.engine = cpu_int8_engine
+    rec = submit(ctx, {"targets": ["onnx", "tensorrt"], "precision": "int8"})
+    assert execute_job(rec.id, ctx).stage == "tensorrt"
+    ctx.engine = gpu_engine
+    done = execute_stage("tensorrt", rec.id, ctx)
+    assert done.state is JobState.SUCCEEDED, done.error
+    assert seen["bytes"] == b"symmetric int8"
+    assert {a.name for a in done.artifacts} >= {"model.onnx", "model.tensorrt.onnx", "model.engine"}
+
+
+@pytest.mark.parametrize(("targets", "runtime"), [(["tensorrt"], "tensorrt"), (["onnx", "tensorrt"], None)])
+def test_the_cpu_stage_keeps_the_int8_schemes_the_job_asked_for(ctx, targets, runtime):
+    """The CPU stage runs with tensorrt deferred and onnx as a target either way; tensorrt alone must still
+    get TensorRT's scheme only, and onnx with tensorrt both (the engine's ONNX from the deferred target)."""
+    seen: list = []
+
+    def engine(model_path, spec, out_dir, *, job_id, calibration_path=None, on_progress=None, timeout_s=None,
+               deferred_targets=()):
+        seen.append(spec.int8_runtimes(also_targets=deferred_targets))
+        raise ConversionFailed("stop here", stage="load")
+
+    ctx.engine = engine
+    execute_job(submit(ctx, {"targets": targets, "precision": "int8"}).id, ctx)
+    assert seen == [["tensorrt"] if runtime else ["onnxruntime", "tensorrt"]]

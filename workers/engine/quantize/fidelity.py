@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Interpreter, Node
 
 from fxport.workers.engine.passes.graph_attrs import fetch_attr
-from fxport.workers.engine.quantize.int8 import QdqGraph, fake_quantize
+from fxport.workers.engine.quantize.int8 import QdqGraph
 from fxport.workers.engine.quantize.layers import Layer
 from fxport.workers.engine.quantize.observers import quantize_weight
+from fxport.workers.engine.quantize.scheme import fake_quantize
 
 MAX_SQNR_DB = 200.0  # identical tensors: a finite, JSON-safe ceiling
 
@@ -146,7 +147,7 @@ def per_layer(gm: GraphModule, qdq: QdqGraph, layers: list[Layer], batches: list
     own = {layer.name: Agreement() for layer in quantized}
     cumulative = {layer.name: Agreement() for layer in quantized}
     out_elems: dict[str, int] = {}
-    weights = {layer.name: _dequantized_weight(gm, layer) for layer in quantized}
+    weights = {layer.name: _dequantized_weight(gm, layer, qdq.scheme.weight_qmax) for layer in quantized}
     e2e = EndToEnd()
     with torch.no_grad():
         for args in batches:
@@ -160,10 +161,12 @@ def per_layer(gm: GraphModule, qdq: QdqGraph, layers: list[Layer], batches: list
                 y = rec_f.values[layer.node]
                 x = rec_f.values[layer.activation(node).name]
                 scale_in = qdq.input_scales[layer.name]
-                xq = x if math.isnan(scale_in) else fake_quantize(x, scale_in)
+                xq = x if math.isnan(scale_in) else fake_quantize(x, scale_in, qdq.input_zero_points[layer.name],
+                                                                  qdq.scheme)
                 y_own = _layer_forward(gm, node, layer, xq, weights[layer.name], rec_f.values)
                 if layer.name in qdq.output_scales:
-                    y_own = fake_quantize(y_own, qdq.output_scales[layer.name])
+                    y_own = fake_quantize(y_own, qdq.output_scales[layer.name],
+                                          qdq.output_zero_points[layer.name], qdq.scheme)
                 y_cum = rec_q.values[qdq.layer_outputs[layer.name]]
                 if layer.name in qdq.activation_after:
                     act = nodes[qdq.activation_after[layer.name]]
@@ -195,9 +198,9 @@ def _apply(gm: GraphModule, node: Node, x: torch.Tensor, values: dict[str, Any])
     return node.target(x, *rest, **node.kwargs)
 
 
-def _dequantized_weight(gm: GraphModule, layer: Layer) -> torch.Tensor:
+def _dequantized_weight(gm: GraphModule, layer: Layer, qmax: int) -> torch.Tensor:
     w = fetch_attr(gm, layer.weight)
-    q, scale = quantize_weight(w, axis=layer.axis)
+    q, scale = quantize_weight(w, axis=layer.axis, qmax=qmax)
     shape = [1] * w.dim()
     shape[layer.axis] = -1
     return (q.float() * scale.reshape(shape)).to(w.dtype)

@@ -11,15 +11,19 @@ the form ONNX QDQ and TensorRT explicit quantization consume.
   kernel — and they keep fp32 weights.) The op library must be imported before a .pt2
   holding these ops is loaded: `import torch.ao.quantization.fx._decomposed`. That module
   is only the op definitions; nothing here uses torch.ao's deprecated FX quantization API.
-- Scheme: weights symmetric per output channel, int8 in [-127, 127]; activations symmetric
-  per tensor, zero point 0, int8 in [-128, 127]. Zero points are all 0, as TensorRT needs.
+- Scheme (scheme.py), chosen by the runtime the artifact is for: weights symmetric per output
+  channel (int8 in [-127, 127], or [-63, 63] with reduce_range); activations per tensor,
+  symmetric int8 with zero point 0 for TensorRT, asymmetric uint8 for onnxruntime.
 - Placement (`plan_qdq`): every quantized layer's input and output; a ReLU, average pool or
   residual add whose inputs are quantized gets its own Q/DQ; ops that only move values
   (max pool, flatten, reshape, permute) reuse their input's scale when a layer needs them
   quantized. Measured with onnxruntime 1.32: it fuses DQ→Conv→Q into QLinearConv only when
   the Q follows the Conv directly (Conv→ReLU→Q stays a float FusedConv, ~3.5x slower), so
-  a ReLU sits between two Q/DQ pairs: Conv→Q→DQ→ReLU→Q→DQ. Every reader of a quantized
-  tensor gets its own pair (see `convert` for why their scales differ by one float32 ulp).
+  a ReLU sits between two Q/DQ pairs: Conv→Q→DQ→ReLU→Q→DQ. Symmetric, every reader of a
+  quantized tensor gets its own pair (see `convert` for why their scales differ by one float32
+  ulp). Asymmetric, a ReLU whose input's Q already clips at 0 is dropped and each tensor has one
+  pair shared by its readers: the form onnxruntime's own quantize_static writes, which it runs
+  as int8 kernels end to end (NHWC, no float islands; see `_idle_relus`).
 """
 
 from __future__ import annotations
@@ -51,14 +55,8 @@ from fxport.workers.engine.quantize.layers import (
     is_pass_through,
     is_relu,
 )
-from fxport.workers.engine.quantize.observers import (
-    ACT_QMAX,
-    ACT_QMIN,
-    W_QMAX,
-    W_QMIN,
-    ActivationObserver,
-    quantize_weight,
-)
+from fxport.workers.engine.quantize.observers import ActivationObserver, quantize_weight
+from fxport.workers.engine.quantize.scheme import TENSORRT, Int8Scheme
 
 qd = torch.ops.quantized_decomposed
 QUANTIZE_OPS = {qd.quantize_per_tensor.default, qd.quantize_per_channel.default}
@@ -181,6 +179,9 @@ class QdqGraph:
     layer_outputs: dict[str, str]  # layer name → node holding its (dequantized) output
     input_scales: dict[str, float]  # layer name → scale of its input activation
     output_scales: dict[str, float]  # layer name → scale of its output activation (absent: float output)
+    scheme: Int8Scheme = TENSORRT
+    input_zero_points: dict[str, int] = field(default_factory=dict)
+    output_zero_points: dict[str, int] = field(default_factory=dict)
     qdq_pairs: int = 0
     fallback: list[str] = field(default_factory=list)
     # layer → the ReLU/clamp (node name) whose range its output Q takes, as it alone reads it
@@ -188,40 +189,51 @@ class QdqGraph:
     activation_after: dict[str, str] = field(default_factory=dict)
 
 
-def convert(gm: GraphModule, layers: list[Layer], quantized: set[str], scales: dict[str, float],
-            plan: dict[str, str]) -> QdqGraph:
+def convert(gm: GraphModule, layers: list[Layer], quantized: set[str], qparams: dict[str, tuple[float, int]],
+            plan: dict[str, str], scheme: Int8Scheme = TENSORRT) -> QdqGraph:
     """A copy of `gm` with Q/DQ per `plan` and the `quantized` layers reading int8 weights.
 
-    `gm` is not modified. `scales` maps the source nodes of `plan` to their activation scale.
+    `gm` is not modified. `qparams` maps the source nodes of `plan` to their activation
+    (scale, zero point) in `scheme`.
     """
     qgm = copy_graph_module(gm)
     graph = qgm.graph
+    idle_relus = _idle_relus(qgm, plan, qparams, scheme) if scheme.asymmetric else []
+    for relu in idle_relus:  # its input's Q already clips at 0: its readers read that tensor's pair
+        relu.replace_all_uses_with(relu.args[0])
+        graph.erase_node(relu)
+        plan = {k: v for k, v in plan.items() if k != relu.name}
     by_name = {n.name: n for n in graph.nodes}
     last_placeholder = _last_placeholder(qgm)
     dq_of: dict[str, Node] = {}
     pairs = 0
     for name, src in plan.items():
         node = by_name[name]
-        base_scale = float(scales[src])
+        base_scale, zero = float(qparams[src][0]), int(qparams[src][1])
+        qargs = (zero, scheme.act_qmin, scheme.act_qmax, scheme.act_dtype)
         anchor = last_placeholder if node.op == "placeholder" else node
-        users = list(node.users)
-        # One Q→DQ pair per reader, each pair's scale one float32 step above the previous
-        # reader's. Measured with onnxruntime 1.32 on x86: int8 activations run as uint8
-        # kernels only where a QuantizeLinear has a single DequantizeLinear reader; both the
-        # exporter's optimizer and ORT's own CSE merge identical pairs back into a shared one,
-        # and a Conv behind a shared pair stays a float Conv (11 of 20 in a ResNet-18). Pairs
+        # asymmetric: one pair shared by every reader (onnxruntime gives each reader its own DQ itself)
+        users = list(node.users) if not scheme.asymmetric else [None]
+        # Symmetric: one Q→DQ pair per reader, each pair's scale one float32 step above the
+        # previous reader's. Measured with onnxruntime 1.32 on x86: symmetric int8 activations
+        # run as uint8 kernels only where a QuantizeLinear has a single DequantizeLinear reader;
+        # both the exporter's optimizer and ORT's own CSE merge identical pairs back into a shared
+        # one, and a Conv behind a shared pair stays a float Conv (11 of 20 in a ResNet-18). Pairs
         # whose scales differ by 1 ulp (1.2e-7 relative) are not identical, so they survive,
-        # and every Conv becomes a QLinearConv.
+        # and every Conv becomes a QLinearConv. Asymmetric uint8 needs none of that: onnxruntime
+        # gives each reader of a shared pair its own DQ and fuses them all (measured: the
+        # ResNet-18 benchmark's graph then optimizes to the same ops as quantize_static's).
         for k, user in enumerate(users):
             scale = _float32_step(base_scale, k)
             with graph.inserting_after(anchor):
-                q = graph.call_function(qd.quantize_per_tensor.default,
-                                        (node, scale, 0, ACT_QMIN, ACT_QMAX, torch.int8))
+                q = graph.call_function(qd.quantize_per_tensor.default, (node, scale, *qargs))
             with graph.inserting_after(q):
-                dq = graph.call_function(qd.dequantize_per_tensor.default,
-                                         (q, scale, 0, ACT_QMIN, ACT_QMAX, torch.int8))
-            user.replace_input_with(node, dq)
-            q.meta["fxport_qdq"] = dq.meta["fxport_qdq"] = {"tensor": name, "scale": scale}
+                dq = graph.call_function(qd.dequantize_per_tensor.default, (q, scale, *qargs))
+            if user is None:
+                node.replace_all_uses_with(dq, delete_user_cb=lambda u: u is not q)
+            else:
+                user.replace_input_with(node, dq)
+            q.meta["fxport_qdq"] = dq.meta["fxport_qdq"] = {"tensor": name, "scale": scale, "zero_point": zero}
             dq_of.setdefault(name, dq)
             pairs += 1
 
@@ -230,26 +242,33 @@ def convert(gm: GraphModule, layers: list[Layer], quantized: set[str], scales: d
     layer_outputs: dict[str, str] = {}
     input_scales: dict[str, float] = {}
     output_scales: dict[str, float] = {}
+    input_zero_points: dict[str, int] = {}
+    output_zero_points: dict[str, int] = {}
     activation_after: dict[str, str] = {}
     for layer in layers:
         if layer.name not in quantized:
             continue
         node = by_name[layer.node]
         in_name = _undo_dq(layer.activation(node))
-        input_scales[layer.name] = _float32_step(scales[plan[in_name]], 0) if in_name in plan else float("nan")
+        if in_name in plan:
+            input_scales[layer.name] = _float32_step(qparams[plan[in_name]][0], 0)
+            input_zero_points[layer.name] = int(qparams[plan[in_name]][1])
+        else:
+            input_scales[layer.name] = float("nan")
         if layer.node in plan:
-            output_scales[layer.name] = _float32_step(scales[plan[layer.node]], 0)
+            output_scales[layer.name] = _float32_step(qparams[plan[layer.node]][0], 0)
+            output_zero_points[layer.name] = int(qparams[plan[layer.node]][1])
             if plan[layer.node] != layer.node:
                 activation_after[layer.name] = plan[layer.node]
         if layer.weight not in weights_done:
-            weights_done[layer.weight] = _bind_int8_weight(qgm, layer)
+            weights_done[layer.weight] = _bind_int8_weight(qgm, layer, scheme.weight_qmax)
         w_int8, w_scale, w_zp = weights_done[layer.weight]
         with graph.inserting_before(node):
             wq = graph.get_attr(w_int8)
             ws = graph.get_attr(w_scale)
             wz = graph.get_attr(w_zp)
             wdq = graph.call_function(qd.dequantize_per_channel.default,
-                                      (wq, ws, wz, layer.axis, W_QMIN, W_QMAX, torch.int8))
+                                      (wq, ws, wz, layer.axis, -scheme.weight_qmax, scheme.weight_qmax, torch.int8))
         if node.op == "call_module":
             node = _functional_layer(qgm, node, layer, wdq, gm.get_submodule(str(node.target)))
         else:
@@ -265,9 +284,31 @@ def convert(gm: GraphModule, layers: list[Layer], quantized: set[str], scales: d
     prune_unused_attrs(qgm)
     graph.lint()
     qgm.recompile()
-    return QdqGraph(qgm, layer_nodes, layer_outputs, input_scales, output_scales, pairs,
+    return QdqGraph(qgm, layer_nodes, layer_outputs, input_scales, output_scales, scheme=scheme,
+                    input_zero_points=input_zero_points, output_zero_points=output_zero_points, qdq_pairs=pairs,
                     fallback=[layer.name for layer in layers if layer.name not in quantized],
                     activation_after=activation_after)
+
+
+def _idle_relus(qgm: GraphModule, plan: dict[str, str], qparams: dict[str, tuple[float, int]],
+                scheme: Int8Scheme) -> list[Node]:
+    """The ReLUs that only repeat what their input's Q already does.
+
+    When a ReLU is the only reader of a tensor, that tensor's Q takes the ReLU's range (plan_qdq);
+    asymmetric, that range starts at 0, so the zero point is the lowest code and the Q clips
+    every negative already: DQ→ReLU→Q computes nothing. Measured with onnxruntime 1.32 on the
+    ResNet-18 benchmark, those ReLUs (after the residual adds) stayed float ops between int8
+    kernels, with layout transposes around them. (Symmetric int8 keeps negatives down to -128
+    steps, so there the ReLU does work and stays.)"""
+    idle = []
+    for node in qgm.graph.nodes:
+        if node.name not in plan or plan[node.name] != node.name or not is_relu(node, qgm):
+            continue
+        x = data_input(node)
+        if x is not None and plan.get(x.name) == node.name and len(x.users) == 1 \
+                and qparams[node.name][1] == scheme.act_qmin:
+            idle.append(node)
+    return idle
 
 
 def _float32_step(scale: float, steps: int) -> float:
@@ -301,10 +342,10 @@ def _container(qgm: GraphModule, prefix: str) -> nn.Module:
     return owner
 
 
-def _bind_int8_weight(qgm: GraphModule, layer: Layer) -> tuple[str, str, str]:
+def _bind_int8_weight(qgm: GraphModule, layer: Layer, qmax: int) -> tuple[str, str, str]:
     """Register the layer's int8 weight, scales and zero points on qgm; return their qualified names."""
     weight = fetch_attr(qgm, layer.weight)
-    w_int8, w_scale = quantize_weight(weight, axis=layer.axis)
+    w_int8, w_scale = quantize_weight(weight, axis=layer.axis, qmax=qmax)
     prefix, field_name = split_target(layer.weight)
     owner = _container(qgm, prefix)
     if not is_own_container(qgm, owner):
@@ -358,7 +399,3 @@ def count_qdq(gm: GraphModule) -> dict[str, int]:
             counts["dequantize"] += 1
     return counts
 
-
-def fake_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """What a Q/DQ pair does to a tensor, in plain torch."""
-    return torch.clamp(torch.round(x / scale), ACT_QMIN, ACT_QMAX) * scale

@@ -1,8 +1,9 @@
 """Lower a QDQ graph to torch's int8 CPU kernels (x86/fbgemm): the fast TorchScript int8 form.
 
-A symmetric int8 activation (scale s, zero point 0, [-128, 127]) is exactly a quint8 tensor
-with scale s and zero point 128, the form torch's quantized kernels take. Patterns whose
-inputs are dequantized and whose outputs all go to QuantizeLinear become int8 kernels:
+An activation of either scheme (scheme.py) is a quint8 tensor, the form torch's quantized
+kernels take: asymmetric uint8 as it is, symmetric int8 (scale s, zero point 0, [-128, 127])
+as quint8 with scale s and zero point 128. Patterns whose inputs are dequantized and whose
+outputs all go to QuantizeLinear become int8 kernels:
 
     DQ → Conv/Linear(int8 weight) → Q    torch.ao.nn.quantized Conv*/Linear (packed weights)
       … → ReLU (only reader)             fused: ConvReLU* / LinearReLU
@@ -34,7 +35,11 @@ from fxport.workers.engine.passes.graph_attrs import bind_op_args, fetch_attr
 from fxport.workers.engine.quantize.int8 import qd
 from fxport.workers.engine.quantize.layers import CONV_ATEN, CONV_FUNCTIONS, is_add, is_pass_through, is_relu
 
-ZERO_POINT = 128  # int8 [-128, 127] with zero point 0 == quint8 [0, 255] with zero point 128
+INT8_SHIFT = 128  # int8 [-128, 127] with zero point z == quint8 [0, 255] with zero point z + 128
+
+
+def _quint8_zero_point(zero_point: int, dtype: torch.dtype) -> int:
+    return int(zero_point) + (INT8_SHIFT if dtype == torch.int8 else 0)
 
 
 @dataclass
@@ -62,7 +67,8 @@ class _Lowerer:
         self.root = nn.Module()
         self.graph = Graph()
         self.env: dict[Node, Any] = {}  # old node → new node with its float value
-        self.twin: dict[Node, tuple[Node, float]] = {}  # old node → (new node holding it as quint8, scale)
+        # old node → (new node holding it as quint8, scale, quint8 zero point)
+        self.twin: dict[Node, tuple[Node, float, int]] = {}
         self.kernels: Counter[str] = Counter()
         self.float_islands = 0
         self.modules = 0
@@ -88,20 +94,22 @@ class _Lowerer:
             return {k: self.value(v) for k, v in old.items()}
         return old
 
-    def int8_input(self, old: Any) -> tuple[Node, float] | None:
-        """(int8 twin, scale) if `old` is a DQ of a quantized value, else None."""
+    def int8_input(self, old: Any) -> tuple[Node, float, int] | None:
+        """(int8 twin, scale, zero point) if `old` is a DQ of a quantized value, else None."""
         if isinstance(old, Node) and old.op == "call_function" and old.target is qd.dequantize_per_tensor.default:
             q = old.args[0]
             return self.twin.get(q)
         return None
 
-    def output_scale(self, node: Node) -> float | None:
-        """The scale every reader quantizes `node` to, if all its readers are Q nodes of one scale."""
+    def output_qparams(self, node: Node) -> tuple[float, int] | None:
+        """(scale, quint8 zero point) every reader quantizes `node` to, if all its readers are Q nodes
+        of one scale and zero point."""
         users = list(node.users)
         if not users or any(u.op != "call_function" or u.target is not qd.quantize_per_tensor.default for u in users):
             return None
-        scales = [float(u.args[1]) for u in users]
-        return scales[0] if all(_same_scale(scales[0], s) for s in scales) else None
+        params = [(float(u.args[1]), _quint8_zero_point(u.args[2], u.args[5])) for u in users]
+        scale, zero = params[0]
+        return params[0] if all(_same_scale(scale, s) and z == zero for s, z in params) else None
 
     # -- the walk ----------------------------------------------------------------------------
 
@@ -172,26 +180,26 @@ class _Lowerer:
         return self.graph.get_attr(name)
 
     def quantize(self, q: Node) -> None:
-        x, scale = q.args[0], float(q.args[1])
-        if x in self.twin and _same_scale(self.twin[x][1], scale):
+        x, scale, zero = q.args[0], float(q.args[1]), _quint8_zero_point(q.args[2], q.args[5])
+        if x in self.twin and _same_scale(self.twin[x][1], scale) and self.twin[x][2] == zero:
             self.twin[q] = self.twin[x]  # the producer already gives this int8 tensor
             return
-        new = self.graph.call_function(torch.quantize_per_tensor, (self.value(x), scale, ZERO_POINT, torch.quint8))
-        self.twin[q] = (new, scale)
+        new = self.graph.call_function(torch.quantize_per_tensor, (self.value(x), scale, zero, torch.quint8))
+        self.twin[q] = (new, scale, zero)
 
     # -- int8 patterns ------------------------------------------------------------------------
 
     def try_int8(self, node: Node) -> bool:
         if node.op not in ("call_function", "call_method", "call_module"):
             return False
-        out_scale = self.output_scale(node)
-        if out_scale is None:
+        out = self.output_qparams(node)
+        if out is None:
             return False
         if node.op == "call_function" and (node.target in CONV_FUNCTIONS or node.target in CONV_ATEN):
-            return self.layer(node, out_scale)
+            return self.layer(node, out)
         if is_relu(node, self.qgm) or is_pass_through(node, self.qgm):
             src = self.int8_input(node.args[0] if node.args else None)
-            if src is None or not _same_scale(src[1], out_scale):
+            if src is None or not _same_scale(src[1], out[0]) or src[2] != out[1]:
                 return False
             if is_relu(node, self.qgm):
                 new = self.graph.call_function(torch.relu, (src[0],))
@@ -207,19 +215,19 @@ class _Lowerer:
                 else:
                     new = self.graph.create_node(node.op, node.target, args, kwargs)
                 self.kernels["max pool / reshape (int8)"] += 1
-            self.twin[node] = (new, src[1])
+            self.twin[node] = (new, src[1], src[2])
             return True
         if is_add(node, self.qgm):
             a, b = (self.int8_input(x) for x in node.args[:2])
             if a is None or b is None:
                 return False
-            new = self.graph.call_function(torch.ops.quantized.add, (a[0], b[0], out_scale, ZERO_POINT))
-            self.twin[node] = (new, out_scale)
+            new = self.graph.call_function(torch.ops.quantized.add, (a[0], b[0], *out))
+            self.twin[node] = (new, *out)
             self.kernels["quantized add"] += 1
             return True
         return False
 
-    def layer(self, node: Node, out_scale: float) -> bool:
+    def layer(self, node: Node, out: tuple[float, int]) -> bool:
         x = self.int8_input(node.args[0])
         wdq = node.args[1] if len(node.args) > 1 else None
         if x is None or not (isinstance(wdq, Node) and wdq.target is qd.dequantize_per_channel.default):
@@ -251,13 +259,13 @@ class _Lowerer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             module.set_weight_bias(qweight, bias)
-        module.scale, module.zero_point = float(out_scale), ZERO_POINT
+        module.scale, module.zero_point = float(out[0]), int(out[1])
         name = f"qlayer_{self.modules}"
         self.modules += 1
         self.root.add_module(name, module)
         new = self.graph.call_module(name, (x[0],))
         new.meta["fxport_layer"] = node.meta.get("fxport_layer", node.name)
-        self.twin[node] = (new, float(out_scale))
+        self.twin[node] = (new, float(out[0]), int(out[1]))
         self.kernels[f"quantized {'linear' if kind == 'linear' else kind}"] += 1
         return True
 

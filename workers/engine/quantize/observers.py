@@ -1,7 +1,8 @@
 """Range observers for int8 calibration: graph nodes that watch a tensor and pick its clipping range.
 
-Activations are quantized symmetric per-tensor (zero point 0, scale = amax / 127), so an
-observer only has to choose `amax`, the magnitude clipped to ±127:
+An observer chooses `amax`, the magnitude beyond which values are clipped, and records the
+signed extremes; the scheme (scheme.py) turns that range into a scale and zero point —
+symmetric int8 (scale = amax / 127) or asymmetric uint8 ([max(min, -amax), min(max, amax)]):
 
 - ``minmax``: the largest |x| seen. No clipping; one outlier widens every step.
 - ``percentile``: the 99.99th percentile of |x| (TensorRT's default for its percentile
@@ -21,11 +22,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from fxport.workers.engine.quantize.scheme import ActivationRange
+
 OBSERVERS = ("minmax", "percentile", "entropy")
 HIST_BINS = 2048
 PERCENTILE = 99.99
 QUANT_LEVELS = 128  # |q| in 0..127 for symmetric int8
-ACT_QMIN, ACT_QMAX = -128, 127  # activations: full int8 range, zero point 0
+ACT_QMIN, ACT_QMAX = -128, 127  # symmetric activations: full int8 range, zero point 0
 
 
 def exact_int8_dot_products(cpuinfo: str | None = None, machine: str | None = None) -> bool:
@@ -64,6 +67,8 @@ class ActivationObserver(nn.Module):
             raise ValueError(f"unknown observer {kind!r}; valid observers: {', '.join(OBSERVERS)}")
         self.kind = kind
         self.absmax = 0.0
+        self.lo = 0.0  # signed extremes seen (0 included: it must stay exact)
+        self.hi = 0.0
         self.batches = 0
         self.float_tensor = True  # False once something not a float tensor went through
         self.hist: np.ndarray | None = None
@@ -81,6 +86,11 @@ class ActivationObserver(nn.Module):
             a = torch.nan_to_num(a, nan=0.0, posinf=0.0)
             m = float(a.max())
         self.absmax = max(self.absmax, m)
+        lo, hi = (float(v) for v in torch.aminmax(x.detach()))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            lo, hi = (float(v) for v in torch.aminmax(x.detach().float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)))
+        self.lo = min(self.lo, lo)
+        self.hi = max(self.hi, hi)
         self.batches += 1
         if self.kind != "minmax" and m > 0:
             self._add_histogram(a, m)
@@ -114,6 +124,9 @@ class ActivationObserver(nn.Module):
     def scale(self) -> float:
         return activation_scale(self.amax())
 
+    def range(self) -> ActivationRange:
+        return ActivationRange(lo=self.lo, hi=self.hi, amax=self.amax())
+
     def extra_repr(self) -> str:
         return f"kind={self.kind}, absmax={self.absmax:.4g}"
 
@@ -130,13 +143,13 @@ def weight_amax(weight: torch.Tensor, axis: int = 0) -> torch.Tensor:
     return w.abs().amax(dim=dims) if dims else w.abs()
 
 
-def quantize_weight(weight: torch.Tensor, axis: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-channel int8: returns (int8 weight, float32 scales). w ≈ q * scale."""
+def quantize_weight(weight: torch.Tensor, axis: int = 0, qmax: int = W_QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-channel int8 in [-qmax, qmax]: returns (int8 weight, float32 scales). w ≈ q * scale."""
     amax = weight_amax(weight, axis)
-    scale = torch.clamp(amax, min=1e-12) / W_QMAX
+    scale = torch.clamp(amax, min=1e-12) / qmax
     shape = [1] * weight.dim()
     shape[axis] = -1
-    q = torch.clamp(torch.round(weight.detach().float() / scale.reshape(shape)), W_QMIN, W_QMAX).to(torch.int8)
+    q = torch.clamp(torch.round(weight.detach().float() / scale.reshape(shape)), -qmax, qmax).to(torch.int8)
     return q, scale.to(torch.float32)
 
 

@@ -1,7 +1,9 @@
 """The int8 quantize stage: calibrate, convert to Q/DQ, measure per layer, fall back until on target.
 
-`quantize_int8` is the one entry point the pipeline calls. It never modifies the graph it is
-given; the returned `Int8Result.qdq.gm` is the quantized graph every int8 artifact comes from.
+`calibrate_int8` observes the activation ranges once; `quantize_int8` turns them into a Q/DQ
+graph in one scheme (scheme.py: the runtime the artifacts are for), with its own per-layer
+report and fallback. Neither modifies the graph it is given; `Int8Result.qdq.gm` is the
+quantized graph the artifacts of that scheme come from.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fxport.workers.engine.quantize.int8 import (
     plan_qdq,
 )
 from fxport.workers.engine.quantize.layers import Layer, scan_layers
-from fxport.workers.engine.quantize.observers import ACT_QMAX, W_QMAX
+from fxport.workers.engine.quantize.scheme import TENSORRT, ActivationRange, Int8Scheme
 
 WORST_COUNT = 5
 ProgressFn = Callable[[float, str], None]
@@ -37,21 +39,38 @@ class Int8Result:
     layers: list[Layer]
     report: dict[str, Any]  # the manifest's "quantization" section (without calibration info)
     base: GraphModule  # the float graph it came from
-    scales: dict[str, float]  # calibrated activation scales, by float-graph node name
+    qparams: dict[str, tuple[float, int]]  # activation (scale, zero point), by float-graph node name
 
     @property
     def graph_module(self) -> GraphModule:
         return self.qdq.gm
 
+    @property
+    def scheme(self) -> Int8Scheme:
+        return self.qdq.scheme
+
     def convert_with(self, quantized: set[str]) -> QdqGraph:
         """The same calibration, another set of int8 layers (e.g. no fallback, for a latency comparison)."""
-        return convert(self.base, self.layers, quantized, self.scales,
-                       _valid(plan_qdq(self.base, self.layers, quantized), self.scales))
+        return convert(self.base, self.layers, quantized, self.qparams,
+                       _valid(plan_qdq(self.base, self.layers, quantized), self.qparams), self.scheme)
 
 
-def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out: list[tuple[Any, ...]],
-                  qspec: QuantizationSpec, *, on_progress: ProgressFn | None = None) -> Int8Result:
-    """int8 static PTQ of `gm` (not modified). Raises ConversionFailed when nothing can be quantized."""
+@dataclass
+class Calibrated:
+    """What calibration found, before any scheme: the layers to quantize and every tensor's range."""
+
+    layers: list[Layer]
+    skipped: list[dict[str, str]]
+    ranges: dict[str, ActivationRange]  # by float-graph node name
+    calibrate_s: float
+
+    def qparams(self, scheme: Int8Scheme) -> dict[str, tuple[float, int]]:
+        return {name: scheme.qparams(r) for name, r in self.ranges.items()}
+
+
+def calibrate_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], qspec: QuantizationSpec, *,
+                   on_progress: ProgressFn | None = None) -> Calibrated:
+    """Observe every tensor a Q/DQ pair may go on. Raises ConversionFailed when nothing can be quantized."""
     progress = on_progress or (lambda _f, _m: None)
     observer = qspec.calibration.observer
     scan = scan_layers(gm)
@@ -68,12 +87,12 @@ def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out:
     plan_all = plan_qdq(gm, layers, {layer.name for layer in layers})
     obs_gm, observers = insert_observers(gm, plan_all, observer)
     progress(0.05, f"calibrating {len(plan_all)} tensors with the {observer} observer")
-    calibrate(obs_gm, calibration, on_batch=lambda i, n: progress(0.05 + 0.35 * i / n, f"calibration batch {i}/{n}"))
-    scales: dict[str, float] = {}
+    calibrate(obs_gm, calibration, on_batch=lambda i, n: progress(0.05 + 0.9 * i / n, f"calibration batch {i}/{n}"))
+    ranges: dict[str, ActivationRange] = {}
     not_float: set[str] = set()
     for name, obs in observers.items():
         if obs.float_tensor and obs.batches:
-            scales[name] = obs.scale()
+            ranges[name] = obs.range()
         else:
             not_float.add(name)
     del obs_gm, observers
@@ -87,10 +106,22 @@ def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out:
             else:
                 keep.append(layer)
         layers = keep
-    calibrate_s = time.perf_counter() - t0
+    return Calibrated(layers, skipped, ranges, time.perf_counter() - t0)
+
+
+def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out: list[tuple[Any, ...]],
+                  qspec: QuantizationSpec, *, scheme: Int8Scheme = TENSORRT, calibrated: Calibrated | None = None,
+                  on_progress: ProgressFn | None = None) -> Int8Result:
+    """int8 static PTQ of `gm` (not modified) in `scheme`; calibrates first unless given `calibrated`.
+    Raises ConversionFailed when nothing can be quantized."""
+    progress = on_progress or (lambda _f, _m: None)
+    if calibrated is None:
+        calibrated = calibrate_int8(gm, calibration, qspec, on_progress=lambda f, m: progress(0.4 * f, m))
+    layers, skipped, calibrate_s = calibrated.layers, calibrated.skipped, calibrated.calibrate_s
+    scales = calibrated.qparams(scheme)
 
     all_names = {layer.name for layer in layers}
-    qdq = convert(gm, layers, all_names, scales, _valid(plan_qdq(gm, layers, all_names), scales))
+    qdq = convert(gm, layers, all_names, scales, _valid(plan_qdq(gm, layers, all_names), scales), scheme)
     progress(0.45, "measuring per-layer error on held-out data")
     metrics, e2e_all = per_layer(gm, qdq, layers, held_out)
 
@@ -105,7 +136,7 @@ def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out:
             fallback.append(layer.name)
             keep = all_names - set(fallback)
             progress(0.5 + 0.4 * (i + 1) / len(ranked), f"fallback: {layer.name} kept in fp32")
-            candidate = convert(gm, layers, keep, scales, _valid(plan_qdq(gm, layers, keep), scales))
+            candidate = convert(gm, layers, keep, scales, _valid(plan_qdq(gm, layers, keep), scales), scheme)
             result = end_to_end(candidate.gm, held_out, reference)
             steps.append({"layer": layer.name, "sqnr_db": metrics[layer.name]["sqnr_db"],
                           "cosine_after": result["cosine"], "top1_after": result["top1_agreement"]})
@@ -125,7 +156,7 @@ def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out:
     if norms:
         report["notes"] = [f"{len(norms)} BatchNorm op(s) left in the graph run in float between Q/DQ pairs "
                            "(and cost int8 fusions); add fuse_conv_bn to spec.passes to fold them into the convs"]
-    result = Int8Result(qdq=qdq, layers=layers, report=report, base=gm, scales=scales)
+    result = Int8Result(qdq=qdq, layers=layers, report=report, base=gm, qparams=scales)
     progress(1.0, "done")
     return result
 
@@ -136,7 +167,7 @@ def _is_batch_norm(gm: GraphModule, node: Node) -> bool:
     return node.op == "call_function" and "batch_norm" in str(node.target)
 
 
-def _valid(plan: dict[str, str], scales: dict[str, float]) -> dict[str, str]:
+def _valid(plan: dict[str, str], scales: dict[str, Any]) -> dict[str, str]:
     return {name: src for name, src in plan.items() if src in scales}
 
 
@@ -154,6 +185,8 @@ def _report(layers: list[Layer], skipped: list[dict[str, str]], metrics: dict[st
             "cumulative_cosine": None if m["cumulative_cosine"] is None else round(m["cumulative_cosine"], 6),
             "fallback": layer.name in fallback,
             "input_scale": qdq.input_scales.get(layer.name), "output_scale": qdq.output_scales.get(layer.name),
+            "input_zero_point": qdq.input_zero_points.get(layer.name),
+            "output_zero_point": qdq.output_zero_points.get(layer.name),
         })
     worst = [r["node"] for r in sorted(rows, key=lambda r: r["sqnr_db"])[:WORST_COUNT]]
     total_macs = sum(m["macs"] for m in metrics.values()) or 1
@@ -163,11 +196,8 @@ def _report(layers: list[Layer], skipped: list[dict[str, str]], metrics: dict[st
         "precision": "int8",
         "method": qspec.method,
         "observer": qspec.calibration.observer,
-        "scheme": {
-            "weights": f"int8 symmetric per output channel (axis 0), range [-{W_QMAX}, {W_QMAX}], minmax",
-            "activations": f"int8 symmetric per tensor, zero point 0, range [-{ACT_QMAX + 1}, {ACT_QMAX}]",
-            "ops": "torch.ops.quantized_decomposed quantize/dequantize_per_tensor, dequantize_per_channel",
-        },
+        "runtime": qdq.scheme.runtime,
+        "scheme": qdq.scheme.describe(),
         "layers": rows,
         "worst": worst,
         "fallback_layers": list(fallback),

@@ -133,15 +133,25 @@ def ort_session_options() -> Any:
 
 
 class OnnxRuntimeRunner(Runner):
+    """An ONNX model in onnxruntime on the CPU. `int8_kernels=False` turns graph optimizations off, so
+    a Q/DQ model runs as written — QuantizeLinear/DequantizeLinear around float ops — instead of
+    on int8 kernels: the numbers the model means, whatever this CPU's int8 kernels do (those of
+    x86 without VNNI saturate symmetric int8 activations)."""
+
     name, runtime = "onnx", "onnxruntime"
 
-    def __init__(self, path: Path, input_names: list[str] | None = None) -> None:
-        self.path, self.input_names = path, input_names
+    def __init__(self, path: Path, input_names: list[str] | None = None, *, int8_kernels: bool = True) -> None:
+        self.path, self.input_names, self.int8_kernels = path, input_names, int8_kernels
+        if not int8_kernels:
+            self.runtime = "onnxruntime (Q/DQ as written, float kernels)"
 
     def activate(self) -> None:
         import onnxruntime as ort
 
-        self.session = ort.InferenceSession(str(self.path), ort_session_options(), providers=["CPUExecutionProvider"])
+        opts = ort_session_options()
+        if not self.int8_kernels:
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        self.session = ort.InferenceSession(str(self.path), opts, providers=["CPUExecutionProvider"])
         self.feed_names = [i.name for i in self.session.get_inputs()]
 
     def deactivate(self) -> None:

@@ -65,6 +65,19 @@ def _ops(path: Path) -> Counter:
     return Counter(n.op_type for n in onnx.load(str(path)).graph.node)
 
 
+def _activation_zero_point_types(path: Path) -> set[str]:
+    """The element types of the zero points of every QuantizeLinear (activations; weights are initializers)."""
+    graph = onnx.load(str(path)).graph
+    inits = {i.name: i for i in graph.initializer}
+    consts = {n.output[0]: n.attribute[0].t for n in graph.node if n.op_type == "Constant" and n.attribute}
+    types = set()
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear" and len(node.input) > 2:
+            t = inits.get(node.input[2]) or consts.get(node.input[2])
+            types.add(onnx.TensorProto.DataType.Name(t.data_type))
+    return types
+
+
 def _check_int8_manifest(m: dict[str, Any], out: Path, layers: int) -> None:
     assert m["status"] == "succeeded"
     q = m["quantization"]
@@ -90,8 +103,10 @@ def test_resnet_int8_every_artifact(tmp_path: Path) -> None:
     onnx_check = m["quantization"]["onnx"]
     assert onnx_check["onnxruntime"]["int8_kernels"]["QLinearConv"] == 20  # every conv runs int8 in onnxruntime
     assert not onnx_check["onnxruntime"]["float_compute"]
-    assert onnx_check["tensorrt_explicit_quantization"] == {**onnx_check["tensorrt_explicit_quantization"],
-                                                             "ok": True, "issues": []}
+    # no tensorrt target: the onnxruntime scheme, uint8 activations (not TensorRT's form, so not checked for it)
+    assert m["quantization"]["runtime"] == "onnxruntime" and "tensorrt_explicit_quantization" not in onnx_check
+    assert _activation_zero_point_types(tmp_path / "out" / "model.onnx") == {"UINT8"}
+    assert {a["int8_scheme"] for a in m["artifacts"]} == {"onnxruntime"}
     assert "quantized conv2d x20" in m["quantization"]["artifact_notes"]["torchscript"]
     formats = {v["format"] for v in m["verification"]}
     assert formats == {"onnx", "torchscript", "exported_program", "fx_source"}
@@ -211,9 +226,11 @@ def test_which_cpus_sum_int8_products_exactly(flags, machine, exact) -> None:
 
 @pytest.mark.skipif(exact_int8_dot_products(), reason="needs a CPU whose int8 kernels saturate (x86 without VNNI)")
 def test_int8_on_a_saturating_cpu_fails_verification_and_says_why(tmp_path: Path) -> None:
-    """Where the int8 kernels cannot compute what the quantized graph says, the artifacts are
-    refused, and the error names the CPU as the cause rather than only the quantization."""
+    """Where the int8 kernels cannot compute what the quantized graph says (the symmetric TensorRT
+    scheme forced onto CPU artifacts), the artifacts are refused, and the error names the CPU as
+    the cause rather than only the quantization."""
     model = save_pt2(get("resnet18_small"), tmp_path / "m.pt2")
     with pytest.raises(VerificationFailed) as err:
-        convert(model, _spec("resnet18_small", "int8", ("onnx", "torchscript")), tmp_path / "out")
+        convert(model, _spec("resnet18_small", "int8", ("onnx", "torchscript"), quantization={"runtime": "tensorrt"}),
+                tmp_path / "out")
     assert "miss their target" in str(err.value) and "no VNNI" in err.value.hint
