@@ -18,7 +18,6 @@ from fxport.spec import parse_spec
 from fxport.workers.engine.pipeline import convert
 from tests.models import get
 from fxport.workers.engine.quantize.observers import exact_int8_dot_products
-from tests.workers.engine.quantize.hardware import needs_exact_int8
 from tests.workers.engine.conftest import save_package, save_pt2
 
 SENSITIVE = "layer1.0.conv2"
@@ -92,7 +91,6 @@ def _check_int8_manifest(m: dict[str, Any], out: Path, layers: int) -> None:
     assert json.loads((out / "manifest.json").read_text())["quantization"]["worst"] == q["worst"]
 
 
-@needs_exact_int8
 def test_resnet_int8_every_artifact(tmp_path: Path) -> None:
     model = save_pt2(get("resnet18_small"), tmp_path / "m.pt2")
     m = convert(model, _spec("resnet18_small", "int8", ("onnx", "torchscript", "exported_program", "fx_source")),
@@ -153,7 +151,6 @@ def test_fp16_onnx_and_torchscript_half(name: str, fmt: str, tmp_path: Path) -> 
     assert "torch.float16" in dtypes
 
 
-@needs_exact_int8
 def test_sensitive_layer_is_named_and_kept_float(tmp_path: Path) -> None:
     model = _sensitive_resnet(tmp_path / "m.pt2")
     m = convert(model, _spec("resnet18_small", "int8", ("onnx",), quantization={"target_cosine": 0.98}),
