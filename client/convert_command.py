@@ -69,6 +69,8 @@ def convert_command(
     dynamic_batch: Optional[str] = typer.Option(None, "--dynamic-batch", help="Range of the 'batch' dim, MIN:OPT:MAX."),
     pass_: Optional[list[str]] = typer.Option(None, "--pass", help="Graph pass to run, in order (repeatable)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8."),
+    output: Optional[list[str]] = typer.Option(None, "--output", help="Name of the model's next output, in "
+                                               "flattened order (repeatable; ONNX and TensorRT; default output_0, ...)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data (.npz/.safetensors)."),
     benchmark: bool = typer.Option(False, "--benchmark", help="Also measure every artifact's latency, throughput "
                                    "and memory per batch size on this machine, and recommend one."),
@@ -82,7 +84,8 @@ def convert_command(
     try:
         base = load_spec_file(spec) if spec else {}
         job_spec = parse_spec(spec_from_flags(base, targets=target, inputs=input_, dynamic_batch=dynamic_batch,
-                                              passes=pass_, precision=precision, benchmark=benchmark))
+                                              passes=pass_, precision=precision, benchmark=benchmark,
+                                              outputs=output))
         if not model.is_file():
             raise FxportError(f"model file {str(model)!r} does not exist", stage="load")
     except FxportError as exc:

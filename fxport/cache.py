@@ -51,18 +51,13 @@ log = logging.getLogger(__name__)
 CACHE_PREFIX = "cache/"
 SHARED_SCOPE = "*"
 KEY_VERSION = 1
-NOT_CONVERSION_INPUTS = ("labels", "limits")
 TOUCH_S = 600.0  # how stale an entry's last_used_at may get before a hit rewrites it
 REHASH_THREADS = 4
 
 
 def spec_digest(spec: JobSpec) -> str:
     """sha256 of the normalized spec without the fields that do not shape the artifacts."""
-    data = {k: v for k, v in spec.normalized().items() if k not in NOT_CONVERSION_INPUTS}
-    if spec.precision == "int8":
-        # int8 artifacts follow the runtimes they are for (an older fxport made symmetric ones for all)
-        data["int8_runtimes"] = spec.int8_runtimes()
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return spec.artifact_digest()
 
 
 def cache_key(*, scope: str, model_sha256: str, calibration_sha256: str | None, spec_sha256: str,

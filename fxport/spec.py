@@ -29,6 +29,7 @@ MAX_RANK = 8
 MAX_DIM = 1 << 16
 MAX_ELEMENTS_PER_INPUT = 1 << 28
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_TENSOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/\-]{0,127}$")
 
 
 class _Strict(BaseModel):
@@ -226,6 +227,7 @@ class CalibrationSpec(_Strict):
 
 
 INT8_RUNTIMES = ("onnxruntime", "tensorrt")
+NOT_CONVERSION_INPUTS = ("labels", "limits")  # spec keys that describe the job, not its artifacts
 
 
 class QuantizationSpec(_Strict):
@@ -242,7 +244,8 @@ class QuantizationSpec(_Strict):
 
 
 class OnnxOptions(_Strict):
-    opset: int = Field(20, ge=18, le=23, description="ONNX opset; the torch.export exporter needs >= 18.")
+    opset: int = Field(20, ge=11, le=23, description="ONNX opset. 18 and up: the torch.export-based exporter; "
+                       "11-17: the TorchScript-based one, from a trace of the graph (fp32 and fp16).")
     single_file: bool = True
 
 
@@ -305,6 +308,9 @@ class JobSpec(_Strict):
     targets: list[Target] = Field(
         default_factory=lambda: ["torchscript", "onnx", "exported_program", "fx_source"], min_length=1
     )
+    outputs: list[str] | None = Field(
+        None, max_length=MAX_INPUTS, description="Names of the model's outputs in flattened order, given to the "
+        "ONNX model (and the TensorRT engine built from it); default output_0, output_1, ...")
     capture: Literal["auto", "fx", "export"] = "auto"
     passes: list[PassSpec] = Field(default_factory=lambda: [PassSpec(name=n) for n in DEFAULT_PASSES])
     precision: Literal["fp32", "fp16", "int8"] = "fp32"
@@ -323,6 +329,20 @@ class JobSpec(_Strict):
     @classmethod
     def _unique_targets(cls, v: list[str]) -> list[str]:
         return list(dict.fromkeys(v))
+
+    @field_validator("outputs")
+    @classmethod
+    def _output_names(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        for i, name in enumerate(v):
+            if not _TENSOR_NAME.match(name):
+                raise ValueError(f"outputs[{i}] {name!r}: use 1-128 of letters, digits, _ . : / - (not starting "
+                                 "with a digit or punctuation)")
+        dup = sorted({n for n in v if v.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate output names {dup}")
+        return v
 
     @field_validator("benchmark", mode="before")
     @classmethod
@@ -386,6 +406,9 @@ class JobSpec(_Strict):
         if q.runtime == "onnxruntime" and "tensorrt" in self.targets:
             raise ValueError("quantization.runtime onnxruntime cannot feed the tensorrt target: TensorRT takes only "
                              "symmetric int8 (zero point 0); leave quantization.runtime out to get an artifact for each")
+        if self.precision == "int8" and self.onnx.opset < 18 and any(t in ("onnx", "tensorrt") for t in self.targets):
+            raise ValueError(f"onnx.opset {self.onnx.opset} cannot hold int8: fxport writes int8 as per-channel "
+                             "Q/DQ through the torch.export-based exporter, which needs opset 18 or newer")
         if q.runtime == "tensorrt" and q.reduce_range:
             raise ValueError("quantization.reduce_range applies to the onnxruntime scheme; TensorRT uses 8-bit weights")
         return self
@@ -410,10 +433,21 @@ class JobSpec(_Strict):
         data = self.model_dump(mode="json")
         if data.get("benchmark") is None:
             data.pop("benchmark", None)
+        if data.get("outputs") is None:
+            data.pop("outputs", None)
         for key in ("runtime", "reduce_range"):  # likewise for the int8 scheme's options
             if data["quantization"].get(key) is None:
                 data["quantization"].pop(key, None)
         return data
+
+    def artifact_digest(self) -> str:
+        """sha256 of what in the spec shapes the artifacts: the normalized spec without `labels` and
+        `limits` (they describe the job), and with the int8 runtimes resolved (an older fxport made
+        symmetric int8 for every runtime). The result cache's key and the artifacts' provenance."""
+        data = {k: v for k, v in self.normalized().items() if k not in NOT_CONVERSION_INPUTS}
+        if self.precision == "int8":
+            data["int8_runtimes"] = self.int8_runtimes()
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def digest(self) -> str:
         """sha256 of the normalized spec: key order and omitted defaults do not change it."""
@@ -543,6 +577,7 @@ def spec_from_flags(
     passes: list[str] | None = None,
     precision: str | None = None,
     benchmark: bool = False,
+    outputs: list[str] | None = None,
 ) -> dict[str, Any]:
     """Overlay CLI flags on a spec mapping (flags win). Returns a mapping for `parse_spec`.
     `benchmark`: turn the benchmark on (with the spec file's options, or the defaults)."""
@@ -561,4 +596,6 @@ def spec_from_flags(
         data["precision"] = precision
     if benchmark and not data.get("benchmark"):
         data["benchmark"] = {}
+    if outputs:
+        data["outputs"] = list(outputs)
     return data

@@ -20,7 +20,7 @@ BAD = [
     ({"capture": "jit"}, "capture", "'auto', 'fx' or 'export'"),
     ({"verify": {"atoll": 0.1}}, "verify.atoll", "valid keys here: atol"),
     ({"verify": {"samples": 0}}, "verify.samples", "greater than or equal to 1"),
-    ({"onnx": {"opset": 9}}, "onnx.opset", "greater than or equal to 18"),
+    ({"onnx": {"opset": 9}}, "onnx.opset", "greater than or equal to 11"),
     ({"colour": "red"}, "colour", "unknown key"),
     ({"inputs": [{"name": "x", "shape": ["b", 3]}]}, "spec", "dynamic dim 'b', which has no range"),
     ({"inputs": [{"name": "x", "shape": [0, 3]}]}, "inputs[0].shape", "between 1 and"),

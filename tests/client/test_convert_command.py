@@ -27,11 +27,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_convert_json_prints_only_the_manifest(model: Path, tmp_path: Path) -> None:
-    proc = run_cli("convert", str(model), "--target", "onnx", "--target", "torchscript",
+    proc = run_cli("convert", str(model), "--target", "onnx", "--target", "torchscript", "--output", "logits",
                    "--out", str(tmp_path / "out"), "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads(proc.stdout)  # stdout is exactly one JSON document
     assert {a["format"] for a in manifest["artifacts"]} == {"onnx", "torchscript"}
+    assert [o["name"] for o in manifest["outputs"]] == ["logits"]  # --output names the ONNX output
     assert all(v["passed"] for v in manifest["verification"])
     assert (tmp_path / "out" / "model.onnx").is_file()
 

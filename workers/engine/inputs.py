@@ -105,6 +105,9 @@ def _signature_from_program(ep: Any, example: tuple[Any, ...] | None) -> InputSi
     dyn: dict[str, DynamicDim] = {}
     int_ranges: dict[str, tuple[int, int]] = {}
     notes: list[str] = []
+    # A .pt2 keeps its dims as symbols (s0, s1, ...), not the names torch.export.Dim was given. One name per
+    # symbol: inputs that share a dim (ids and mask: the same seq) share its name, and so its range.
+    named: dict[str, str] = {}
     for pos, name in enumerate(names):
         val = placeholders[name].meta.get("val")
         if not isinstance(val, torch.Tensor):
@@ -119,7 +122,9 @@ def _signature_from_program(ep: Any, example: tuple[Any, ...] | None) -> InputSi
                 shape.append(d)
                 continue
             sym = str(d)
-            dim_name = "batch" if i == 0 else f"{name}_dim{i}"
+            if sym not in named:
+                named[sym] = "batch" if i == 0 and "batch" not in named.values() else f"{name}_dim{i}"
+            dim_name = named[sym]
             vr = ep.range_constraints.get(d.node.expr) if hasattr(d, "node") else None
             lo = int(vr.lower) if vr is not None and math.isfinite(float(vr.lower)) else 1
             hi_raw = float(vr.upper) if vr is not None else math.inf

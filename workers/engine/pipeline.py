@@ -224,12 +224,15 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
         if _wants_tensorrt(spec, run) and reduced is not None and reduced.separate_tensorrt_onnx:
             targets.append(TENSORRT_ONNX)  # int8 for TensorRT is its own ONNX (symmetric), beside model.onnx
         extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
+        provenance = _provenance(manifest, spec)
         for i, target in enumerate(targets):
             run.emit("export", i / max(len(targets), 1), target)
             graph = reduced.graph_for(target) if reduced else gm
-            written[target], note = _export_one(target, graph, example, sig, spec,
-                                                out_dir, original=loaded.module, extremes=extremes,
-                                                precision=spec.precision)
+            written[target], note, interface = _export_one(target, graph, example, sig, spec,
+                                                           out_dir, original=loaded.module, extremes=extremes,
+                                                           precision=spec.precision, provenance=provenance)
+            if interface is not None:
+                manifest["outputs"] = interface["outputs"]
             if note and reduced is None:
                 manifest["warnings"].append(f"{target}: {note}")
             elif note:  # how a reduced-precision artifact was built (int8 kernels or fake-quant, ...)
@@ -264,6 +267,7 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
             EagerRunner(loaded.module), runners, points, tol.options,
             on_runner=lambda name: run.emit("verify", 0.5, name),
             compare=comparison, finish=comparison.finish if comparison else None,
+            outside=_outside_range_points(sig, spec),
         )
         manifest["verification"] = records
         failed = [r for r in records if not r["passed"]]
@@ -545,21 +549,40 @@ def _check_targets(loaded: LoadedModel, spec: JobSpec, deferred: Sequence[str] =
 
 
 def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, out_dir: Path,
-                *, original: Any, extremes: list[tuple[Any, ...]], precision: str = "fp32") -> tuple[Path, str]:
-    """Write one artifact. Returns its path and a note for the manifest ('' when none).
+                *, original: Any, extremes: list[tuple[Any, ...]], precision: str = "fp32",
+                provenance: dict[str, str] | None = None) -> tuple[Path, str, dict[str, Any] | None]:
+    """Write one artifact. Returns its path, a note for the manifest ('' when none) and, for ONNX,
+    its interface (names, dtypes and shapes of inputs and outputs).
 
     The exporter writes into out_dir/WRITING_DIR; the finished files are then renamed into
     out_dir. So a file under its artifact name is always whole: the worker uploads files
     while the engine still exports (workers/artifact_upload.py) and never catches one half-written."""
+    from fxport.workers.engine.exporters.interface import finish_onnx
+
     staging = out_dir / WRITING_DIR
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
         written, note = _write_artifact(target, gm, example, sig, spec, staging / ARTIFACT_PATHS[target],
-                                        original=original, extremes=extremes, precision=precision)
-        return _publish(staging, written, out_dir), note
+                                        original=original, extremes=extremes, precision=precision,
+                                        provenance=provenance or {})
+        interface = None
+        if target in ("onnx", TENSORRT_ONNX):  # names and provenance, before anyone can upload it
+            interface = finish_onnx(written, input_shapes=[(i.name, i.shape) for i in sig.inputs],
+                                    output_names=spec.outputs, provenance=provenance or {})
+        return _publish(staging, written, out_dir), note, interface
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _provenance(manifest: dict[str, Any], spec: JobSpec) -> dict[str, str]:
+    """Where an artifact came from, written into it (ONNX metadata_props, archives' extra files).
+
+    Only what the artifact is a function of: the same model, spec and toolchain give the same
+    bytes in every job (the result cache hands them to later jobs; a redelivered job must
+    reproduce them). The job that made them is in its manifest, beside each artifact's sha256."""
+    return {"version": str(manifest["fxport_version"]), "source_sha256": str(manifest["input"]["sha256"]),
+            "spec_digest": spec.artifact_digest()}
 
 
 def _publish(staging: Path, written: Path, out_dir: Path) -> Path:
@@ -574,25 +597,30 @@ def _publish(staging: Path, written: Path, out_dir: Path) -> Path:
 
 
 def _write_artifact(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, path: Path,
-                    *, original: Any, extremes: list[tuple[Any, ...]], precision: str) -> tuple[Path, str]:
+                    *, original: Any, extremes: list[tuple[Any, ...]], precision: str,
+                    provenance: dict[str, str]) -> tuple[Path, str]:
+    from fxport.workers.engine.exporters.interface import provenance_extra_files
+
+    extra_files = provenance_extra_files(provenance) if provenance else {}
     try:
         if target == "torchscript" and precision == "int8":
             from fxport.workers.engine.exporters.torchscript_int8 import TorchScriptInt8FromQdqGraph
 
-            int8_exporter = TorchScriptInt8FromQdqGraph(gm, example, check_inputs=extremes)
+            int8_exporter = TorchScriptInt8FromQdqGraph(gm, example, check_inputs=extremes, extra_files=extra_files)
             return int8_exporter(path), int8_exporter.note
         if target == "torchscript":
             from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
 
             # the original model is fp32: never a stand-in for an fp16 archive
             exporter = TorchScriptFromGraphModule(gm, example, spec.torchscript.method, check_inputs=extremes,
-                                                  fallback=original if precision == "fp32" else None)
+                                                  fallback=original if precision == "fp32" else None,
+                                                  extra_files=extra_files)
             return exporter(path), exporter.note
         if target == "exported_program":
             from fxport.workers.engine.exporters.exported_program import ExportedProgramFromGraphModule
 
             note = f"load it after `{_QDQ_IMPORT.split('  #')[0]}`: its Q/DQ ops live there" if precision == "int8" else ""
-            return ExportedProgramFromGraphModule(gm, example, sig.dynamic_shapes())(path), note
+            return ExportedProgramFromGraphModule(gm, example, sig.dynamic_shapes(), extra_files=extra_files)(path), note
         if target == "fx_source":
             from fxport.workers.engine.exporters.fx_source import FxSourceFromGraphModule
 
@@ -600,10 +628,13 @@ def _write_artifact(target: str, gm: Any, example: tuple[Any, ...], sig: InputSi
             return FxSourceFromGraphModule(gm, imports=imports)(path), ""
         from fxport.workers.engine.exporters.onnx import OnnxFromGraphModule
 
-        return OnnxFromGraphModule(
+        onnx_exporter = OnnxFromGraphModule(
             gm, example, input_names=[i.name for i in sig.inputs], dynamic_shapes=sig.dynamic_shapes(),
             opset=spec.onnx.opset, single_file=spec.onnx.single_file,
-        )(path), ""
+            dynamic_axes={i.name: {k: d for k, d in enumerate(i.shape) if isinstance(d, str)} for i in sig.inputs},
+            trace_checks=extremes, trace_fallback=original if precision == "fp32" else None,
+        )
+        return onnx_exporter(path), onnx_exporter.note
     except FxportError:
         raise
     except Exception as exc:
@@ -638,6 +669,14 @@ def _sample_points(sig: InputSignature, spec: JobSpec) -> list[SamplePoint]:
         if dims != opt:
             points.append(SamplePoint(dims, sig.make_inputs(dims, seed=spec.verify.seed + 1000 + i)))
     return points
+
+
+def _outside_range_points(sig: InputSignature, spec: JobSpec) -> list[tuple[str, tuple[Any, ...]]]:
+    """Inputs one step past each dynamic dim's max (the others at opt): what each artifact does with a
+    shape the spec did not promise is measured, not assumed."""
+    opt = {n: r.opt for n, r in sig.dynamic_dims.items()}
+    return [(f"{name}={r.max + 1}", sig.make_inputs({**opt, name: r.max + 1}, seed=spec.verify.seed + 2000))
+            for name, r in sig.dynamic_dims.items()]
 
 
 def _runners(written: dict[str, Path], sig: InputSignature) -> list[Any]:
@@ -697,6 +736,9 @@ def _convert_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpec, out_dir: 
         if "onnx" in spec.targets:
             dest = out_dir / "model.onnx"
             shutil.copyfile(loaded.onnx_path, dest)
+            if spec.outputs is not None:
+                run.manifest["warnings"].append("spec.outputs names the outputs of ONNX models fxport exports; an "
+                                                "uploaded ONNX model is copied as it is, with its own names")
             run.manifest["artifacts"].extend(_artifact_records("onnx", dest, out_dir))
         run.manifest["capture"] = {"method": "none", "level": "onnx", "attempts": []}
         if "tensorrt" in run.deferred:

@@ -11,8 +11,10 @@ from torch.fx import GraphModule
 
 
 class ExportedProgramFromGraphModule:
-    def __init__(self, gm: GraphModule, example_inputs: tuple[Any, ...], dynamic_shapes: Any) -> None:
+    def __init__(self, gm: GraphModule, example_inputs: tuple[Any, ...], dynamic_shapes: Any, *,
+                 extra_files: dict[str, str] | None = None) -> None:
         self.gm, self.example_inputs, self.dynamic_shapes = gm, example_inputs, dynamic_shapes
+        self.extra_files = dict(extra_files or {})
 
     def program(self) -> "torch.export.ExportedProgram":
         with warnings.catch_warnings():
@@ -20,5 +22,5 @@ class ExportedProgramFromGraphModule:
             return torch.export.export(self.gm, self.example_inputs, dynamic_shapes=self.dynamic_shapes, strict=False)
 
     def __call__(self, path: Path) -> Path:
-        torch.export.save(self.program(), str(path))
+        torch.export.save(self.program(), str(path), extra_files=self.extra_files or None)
         return path

@@ -1,4 +1,10 @@
-"""ONNX from the transformed GraphModule: the torch.export-based exporter, full checker pass."""
+"""ONNX from the transformed GraphModule, full checker pass.
+
+Opset 18 and up: the torch.export-based exporter. Below 18, which that exporter cannot write
+(it falls back to onnx's version converter, whose downgrades are partial: measured on torch 2.13,
+a ResNet's ReduceMean kept an opset-18 attribute and the file silently stayed at opset 18), the
+TorchScript-based exporter writes the opset asked for from a trace of the graph, and names the
+op that needs a newer opset when there is one."""
 
 from __future__ import annotations
 
@@ -15,6 +21,9 @@ from torch.fx import GraphModule
 from fxport.errors import ConversionFailed
 
 
+TORCH_EXPORT_MIN_OPSET = 18
+
+
 class OnnxFromGraphModule:
     def __init__(
         self,
@@ -25,13 +34,23 @@ class OnnxFromGraphModule:
         dynamic_shapes: Any,
         opset: int = 20,
         single_file: bool = True,
+        dynamic_axes: dict[str, dict[int, str]] | None = None,
+        trace_checks: list[tuple[Any, ...]] = (),
+        trace_fallback: Any = None,
     ) -> None:
         self.gm, self.example_inputs = gm, example_inputs
         self.input_names, self.dynamic_shapes = input_names, dynamic_shapes
         self.opset, self.single_file = opset, single_file
+        # below opset 18 only: the dynamic dims by input, and what the trace must run at (see torchscript.py)
+        self.dynamic_axes, self.trace_checks, self.trace_fallback = dynamic_axes or {}, list(trace_checks), trace_fallback
+        self.note = ""
 
     def __call__(self, path: Path) -> Path:
         import onnx
+
+        if self.opset < TORCH_EXPORT_MIN_OPSET:
+            self._export_from_trace(path)
+            return self._checked(path)
 
         # the exporter logs a warning per missing torchvision op; not the user's concern
         logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -59,8 +78,39 @@ class OnnxFromGraphModule:
                 hint="drop 'onnx' from targets to get the other artifacts, or try another opset (spec.onnx.opset)",
                 detail=log.getvalue()[-4000:] or None,
             ) from exc
+        return self._checked(path)
+
+    def _checked(self, path: Path) -> Path:
+        import onnx
+
         try:
             onnx.checker.check_model(str(path), full_check=True)
         except Exception as exc:
             raise ConversionFailed(f"the exported ONNX fails onnx.checker: {exc}", stage="export") from exc
+        got = next((o.version for o in onnx.load(str(path), load_external_data=False).opset_import
+                    if o.domain in ("", "ai.onnx")), None)
+        if got != self.opset:
+            raise ConversionFailed(f"the ONNX model came out at opset {got}, not the {self.opset} asked for",
+                                   stage="export", hint=f"use spec.onnx.opset {got}")
         return path
+
+    def _export_from_trace(self, path: Path) -> None:
+        from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
+
+        tracer = TorchScriptFromGraphModule(self.gm, self.example_inputs, "trace", check_inputs=self.trace_checks,
+                                            fallback=self.trace_fallback)
+        scripted = tracer.script_module()
+        self.note = tracer.note
+        log = io.StringIO()
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                warnings.simplefilter("ignore")
+                torch.onnx.export(scripted, self.example_inputs, str(path), dynamo=False, opset_version=self.opset,
+                                  input_names=self.input_names, dynamic_axes=self.dynamic_axes,
+                                  external_data=not self.single_file)
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConversionFailed(
+                f"ONNX export at opset {self.opset} failed: {first}", stage="export",
+                hint=f"raise spec.onnx.opset (from {TORCH_EXPORT_MIN_OPSET} the torch.export-based exporter writes it)",
+            ) from exc

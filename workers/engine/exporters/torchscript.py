@@ -22,12 +22,19 @@ class TorchScriptFromGraphModule:
     """
 
     def __init__(self, gm: GraphModule, example_inputs: tuple[Any, ...], method: str = "trace", *,
-                 check_inputs: list[tuple[Any, ...]] = (), fallback: Any = None) -> None:
+                 check_inputs: list[tuple[Any, ...]] = (), fallback: Any = None,
+                 extra_files: dict[str, str] | None = None) -> None:
         self.gm, self.example_inputs, self.method = gm, example_inputs, method
         self.check_inputs, self.fallback = list(check_inputs), fallback
+        self.extra_files = dict(extra_files or {})
         self.note = ""
 
     def __call__(self, path: Path) -> Path:
+        self.script_module().save(str(path), _extra_files=self.extra_files)
+        return path
+
+    def script_module(self) -> Any:
+        """The ScriptModule the archive holds (raises ConversionFailed, as `__call__` does)."""
         scripted = self._build(self.gm)
         if not self._runs_everywhere(scripted):
             if self.fallback is not None and not isinstance(self.fallback, GraphModule):
@@ -42,8 +49,7 @@ class TorchScriptFromGraphModule:
                     hint="drop 'torchscript' from targets (the .pt2 and ONNX keep the dynamic dims), "
                     "use static shapes, or submit the model as a torch.package so it can be traced eagerly",
                 )
-        scripted.save(str(path))
-        return path
+        return scripted
 
     def _runs_everywhere(self, scripted: Any) -> bool:
         reference = self.gm

@@ -62,8 +62,9 @@ class TorchScriptInt8FromQdqGraph:
     """Lazy exporter: `__call__(path)` writes the archive; `note` and `int8_kernels` describe it."""
 
     def __init__(self, qgm: GraphModule, example_inputs: tuple[Any, ...], *, check_inputs: list[tuple[Any, ...]] = (),
-                 lower: bool = True) -> None:
+                 lower: bool = True, extra_files: dict[str, str] | None = None) -> None:
         self.qgm, self.example_inputs, self.check_inputs, self.lower = qgm, example_inputs, list(check_inputs), lower
+        self.extra_files = dict(extra_files or {})
         self.note = ""
         self.int8_kernels: dict[str, int] = {}
 
@@ -85,5 +86,6 @@ class TorchScriptInt8FromQdqGraph:
             module = fake_quant_graph(self.qgm)
             if not self.note:
                 self.note = "fake-quant graph (float kernels with int8 rounding)"
-        exporter = TorchScriptFromGraphModule(module, self.example_inputs, "trace", check_inputs=self.check_inputs)
+        exporter = TorchScriptFromGraphModule(module, self.example_inputs, "trace", check_inputs=self.check_inputs,
+                                              extra_files=self.extra_files)
         return exporter(path)
