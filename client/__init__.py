@@ -183,7 +183,8 @@ class Job:
         # Set by Client.submit: {"sent_bytes": N, "skipped": "cache_hit" | "model_stored" | None,
         # "direct": whether the bytes sent went straight to the object store (a presigned PUT)}.
         self.upload: dict[str, Any] | None = None
-        # Set by wait(download_to=...) when the job succeeded: the paths written there.
+        # Set by wait(download_to=...) when the finished job lists artifacts (a failed one: its
+        # manifest.json and report.html): the paths written there.
         self.downloaded: list[Path] | None = None
 
     def __repr__(self) -> str:
@@ -308,12 +309,15 @@ class Job:
              download_to: str | os.PathLike[str] | None = None) -> "Job":
         """Block until the job is SUCCEEDED, FAILED or CANCELLED; WaitTimeout after `timeout` s.
 
-        `download_to`: then fetch every artifact into that folder, as `download` does, and set
-        `downloaded` to the paths. Artifacts the worker stores while the job still runs (it
-        uploads each as soon as export wrote it) come down meanwhile, into a hidden folder
-        there, so at SUCCEEDED only the rest is left to fetch; an early copy is kept only if
-        its sha256 is the one the finished job lists. A job that does not succeed leaves
-        nothing in the folder."""
+        `download_to`: then fetch what the finished job lists into that folder, as `download`
+        does (every sha256 checked), and set `downloaded` to the paths: every artifact of a
+        SUCCEEDED job; of a FAILED one, the manifest.json and report.html that say what went
+        wrong (its error message sends the reader there); a CANCELLED job lists nothing.
+        Artifacts the worker stores while the job still runs (it uploads each as soon as
+        export wrote it) come down meanwhile, into a hidden folder there, so at SUCCEEDED only
+        the rest is left to fetch; an early copy is kept only if its sha256 is the one the
+        finished job lists, and the hidden folder is always removed. A job that failed or was
+        cancelled raises nothing here, with or without `download_to`: `state` and `error` say so."""
         dest = None if download_to is None else Path(download_to)
         with _EarlyDownloads(self, dest) if dest is not None else contextlib.nullcontext() as early:
             for event in self.events(timeout=timeout):
@@ -321,9 +325,18 @@ class Job:
                     early.fetch(event.staged)
                 if on_event is not None:
                     on_event(event)
-            if early is not None and self.succeeded:
-                self.downloaded = self._download(dest, None, early.finish())
+            if early is not None:
+                self.downloaded = self._download_outcome(dest, early.finish())
         return self
+
+    def _download_outcome(self, dest: Path, early: dict[str, tuple[Path, str]] | None = None) -> list[Path] | None:
+        """What a finished job lists, into `dest`: every artifact of a SUCCEEDED job, the
+        manifest.json and report.html a FAILED one keeps (the worker publishes only those).
+        None when it lists nothing (a cancelled job): then nothing is put in `dest`.
+        The one place `wait(download_to=...)`, and so `fxport submit --out`, fetch a result."""
+        if not self.artifacts and not self.succeeded:
+            return None
+        return self._download(dest, None, early or {})
 
     def download(self, dest: str | os.PathLike[str], names: list[str] | None = None) -> list[Path]:
         """Fetch artifacts into `dest` (their names are relative paths), checking each sha256

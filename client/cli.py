@@ -160,9 +160,9 @@ def _artifact_table(job: Job, console: Console) -> None:
 
 
 def _finish(job: Job, *, out: Optional[Path], as_json: bool) -> int:
-    paths: list[Path] = []
-    if out is not None and job.artifacts:
-        paths = job.downloaded if job.downloaded is not None else job.download(out)
+    # With --out, job.wait(download_to=out) fetched what the job lists: every artifact, or the
+    # manifest.json and report.html of a failed job (Job._download_outcome, one code path).
+    paths: list[Path] = list(job.downloaded or []) if out is not None else []
     if as_json:
         doc = job.to_dict()
         if job.upload is not None:
@@ -199,6 +199,8 @@ def submit(
     dynamic_batch: Optional[str] = typer.Option(None, "--dynamic-batch", help="Range of the 'batch' dim, MIN:OPT:MAX."),
     pass_: Optional[list[str]] = typer.Option(None, "--pass", help="Graph pass to run, in order (repeatable)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8."),
+    output: Optional[list[str]] = typer.Option(None, "--output", help="Name of the model's next output, in "
+                                               "flattened order (repeatable; ONNX and TensorRT; default output_0, ...)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data file."),
     benchmark: bool = typer.Option(False, "--benchmark", help="Also measure every artifact's latency, throughput "
                                    "and memory per batch size on the worker, and recommend one."),
@@ -218,7 +220,8 @@ def submit(
     def body() -> int:
         base = load_spec_file(spec) if spec else {}
         data = spec_from_flags(base, targets=target, inputs=input_, dynamic_batch=dynamic_batch,
-                               passes=pass_, precision=precision, benchmark=benchmark)
+                               passes=pass_, precision=precision, benchmark=benchmark,
+                               outputs=output)
         if label:
             data["labels"] = {**(data.get("labels") or {}), **_labels(label)}
         parse_spec(data)  # fail fast, before any upload; the server validates again
