@@ -12,17 +12,23 @@ set it to an emptyDir), prometheus_client keeps values in files there and
 `reset_multiprocess_dir()` before it forks its pool, and `mark_process_dead(pid)` when a
 pool child exits (Celery's `worker_process_shutdown` signal).
 
+Besides fxport's own metrics, the API serves the gRPC server metrics every gRPC service
+exposes under the names of go-grpc-prometheus (`grpc_server_started_total`,
+`grpc_server_handled_total`, `grpc_server_handling_seconds`), so the dashboards and alerts
+written for those work unchanged; service/interceptors.py records them.
+
 Needs the `[server]` extra (prometheus-client); the thin client never imports it.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
+import contextlib
 import os
+import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -48,6 +54,33 @@ SANDBOX_FAILURE_REASONS = (
     "other",
 )
 
+# Why a job FAILED (JobErrorInfo.code): fxport/errors.py, fxport/storage.py and the worker's
+# own. A code outside this list is counted as "other", a stage outside FAILURE_STAGES as
+# "unknown": the labels stay bounded whatever a record says.
+FAILURE_CODES = (
+    "invalid_input", "invalid_spec", "unsupported_format", "capture_failed", "conversion_failed",
+    "verification_failed", "resource_limit", "sandbox_violation", "sandbox_unavailable", "timeout",
+    "worker_lost", "internal", "storage", "not_found", "store_unreachable", "integrity", "invalid_key",
+    "lease_lost", "enqueue_failed", "no_gpu_queue", "missing_input", "other",
+)
+FAILURE_STAGES = ("submit", *STAGES, "unknown")
+
+# gRPC server metrics: go-grpc-prometheus's names, labels and label values, so that existing
+# dashboards and alerts apply. grpc_type is one of these; grpc_code is the canonical status
+# name in its CamelCase spelling (Go's codes.Code.String()).
+GRPC_TYPES = ("unary", "client_stream", "server_stream", "bidi_stream")
+GRPC_CODES = {
+    "OK": "OK", "CANCELLED": "Canceled", "UNKNOWN": "Unknown", "INVALID_ARGUMENT": "InvalidArgument",
+    "DEADLINE_EXCEEDED": "DeadlineExceeded", "NOT_FOUND": "NotFound", "ALREADY_EXISTS": "AlreadyExists",
+    "PERMISSION_DENIED": "PermissionDenied", "RESOURCE_EXHAUSTED": "ResourceExhausted",
+    "FAILED_PRECONDITION": "FailedPrecondition", "ABORTED": "Aborted", "OUT_OF_RANGE": "OutOfRange",
+    "UNIMPLEMENTED": "Unimplemented", "INTERNAL": "Internal", "UNAVAILABLE": "Unavailable",
+    "DATA_LOSS": "DataLoss", "UNAUTHENTICATED": "Unauthenticated",
+}
+# Seconds: unary calls take milliseconds, uploads and downloads seconds to minutes, and a
+# WatchJob stream lasts as long as its job.
+RPC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
+
 # Seconds. Stages run from milliseconds (fx_source) to tens of minutes (TensorRT builds).
 STAGE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 JOB_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 2700, 3600, 7200)
@@ -68,10 +101,73 @@ class FxportMetrics:
     sandbox_failures_total: Counter
     upload_bytes_total: Counter
     direct_upload_bytes_total: Counter
+    job_failures_total: Counter
+    build_info: Gauge
+    grpc_server_started_total: Counter
+    grpc_server_handled_total: Counter
+    grpc_server_handling_seconds: Histogram
 
     def record_sandbox_failure(self, reason: str) -> None:
         """Count one sandbox failure; a reason outside SANDBOX_FAILURE_REASONS counts as "other"."""
         self.sandbox_failures_total.labels(reason if reason in SANDBOX_FAILURE_REASONS else "other").inc()
+
+    def record_job_failure(self, stage: str | None, code: str | None) -> None:
+        """Count one FAILED job by the stage and code of its error (bounded: see FAILURE_CODES)."""
+        self.job_failures_total.labels(stage if stage in FAILURE_STAGES else "unknown",
+                                       code if code in FAILURE_CODES else "other").inc()
+
+    @contextlib.contextmanager
+    def job_running(self, queue: str) -> Iterator[None]:
+        """fxport_jobs_running{queue} is one higher while the block runs (a job's execution)."""
+        if queue not in QUEUES:
+            raise ValueError(f"queue {queue!r}: one of {QUEUES}")
+        gauge = self.jobs_running.labels(queue)
+        gauge.inc()
+        try:
+            yield
+        finally:
+            gauge.dec()
+
+    def set_build_info(self, versions: dict[str, str] | None = None) -> dict[str, str]:
+        """fxport_build_info{version, python, torch} = 1. torch's version comes from its package
+        metadata, never from importing it (the API image has no torch: the label is then "")."""
+        info = versions or build_versions()
+        self.build_info.labels(info["version"], info["python"], info["torch"]).set(1)
+        return info
+
+    def init_rpc_methods(self, services: Iterable[Any]) -> None:
+        """Create every method's series (at 0) from the services' descriptors, as
+        go-grpc-prometheus's InitializeMetrics does, except that grpc_server_handled_total
+        starts with grpc_code="OK" only (the other 16 codes would add 16 series per method to
+        every scrape); each other code appears with its first call."""
+        for service in services:
+            for method in service.methods:
+                labels = (rpc_type(method.client_streaming, method.server_streaming), service.full_name, method.name)
+                self.grpc_server_started_total.labels(*labels)
+                self.grpc_server_handling_seconds.labels(*labels)
+                self.grpc_server_handled_total.labels(*labels, "OK")
+
+
+def rpc_type(request_streaming: bool, response_streaming: bool) -> str:
+    """go-grpc-prometheus's grpc_type of a method (one of GRPC_TYPES)."""
+    if request_streaming and response_streaming:
+        return "bidi_stream"
+    if request_streaming:
+        return "client_stream"
+    return "server_stream" if response_streaming else "unary"
+
+
+def build_versions() -> dict[str, str]:
+    """fxport's, Python's and torch's versions, read without importing torch."""
+    from importlib import metadata
+
+    from fxport import __version__
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = ""
+    return {"version": __version__, "python": platform.python_version(), "torch": torch}
 
 
 def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetrics:
@@ -145,6 +241,40 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
             ["kind"],
             registry=registry,
         ),
+        job_failures_total=Counter(
+            "fxport_job_failures_total",
+            "Jobs that FAILED, by the stage that failed and the error code (verification_failed, "
+            "store_unreachable, ...).",
+            ["stage", "code"],
+            registry=registry,
+        ),
+        build_info=Gauge(
+            "fxport_build_info",
+            "Always 1; the labels say which fxport, Python and torch (empty where not installed) run here.",
+            ["version", "python", "torch"],
+            registry=registry,
+            multiprocess_mode="max",
+        ),
+        grpc_server_started_total=Counter(
+            "grpc_server_started_total",
+            "Total number of RPCs started on the server.",
+            ["grpc_type", "grpc_service", "grpc_method"],
+            registry=registry,
+        ),
+        grpc_server_handled_total=Counter(
+            "grpc_server_handled_total",
+            "Total number of RPCs completed on the server, regardless of success or failure.",
+            ["grpc_type", "grpc_service", "grpc_method", "grpc_code"],
+            registry=registry,
+        ),
+        grpc_server_handling_seconds=Histogram(
+            "grpc_server_handling_seconds",
+            "Histogram of response latency (seconds) of gRPC that had been application-level handled by the "
+            "server.",
+            ["grpc_type", "grpc_service", "grpc_method"],
+            buckets=RPC_BUCKETS,
+            registry=registry,
+        ),
     )
     for state in JOB_STATES:
         m.jobs_total.labels(state)
@@ -200,7 +330,8 @@ def start_metrics_server(
     """Serve /metrics on `addr:port` from a daemon thread; port 0 picks a free port.
 
     Returns (server, bound port); `server.shutdown()` stops it. Without `registry`, serves
-    the default registry, or the sum over all processes when PROMETHEUS_MULTIPROC_DIR is set.
+    the default registry, or the sum over all processes when PROMETHEUS_MULTIPROC_DIR is set,
+    and sets fxport_build_info there first.
     """
     if registry is None:
         if multiprocess_dir() is not None:
@@ -208,8 +339,14 @@ def start_metrics_server(
             multiprocess.MultiProcessCollector(registry)
         else:
             registry = REGISTRY
+        METRICS.set_build_info()
     server, _thread = start_http_server(port, addr=addr, registry=registry)
     return server, server.server_port
+
+
+def job_running(queue: str) -> contextlib.AbstractContextManager[None]:
+    """`with job_running("cpu"):` around a job's execution keeps fxport_jobs_running{queue} current."""
+    return METRICS.job_running(queue)
 
 
 class MeteredJobStore:
@@ -247,6 +384,9 @@ class MeteredJobStore:
         return rec, changed
 
     def _observe_durations(self, rec: Any, state: str) -> None:
+        if state == "failed":  # why: the error's stage and code (a verification failure is no store outage)
+            error = getattr(rec, "error", None)
+            self._metrics.record_job_failure(getattr(error, "stage", None), getattr(error, "code", None))
         finished = getattr(rec, "finished_at", None) or time.time()
         created = getattr(rec, "created_at", None)
         if created:

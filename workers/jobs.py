@@ -33,6 +33,7 @@ from fxport.config import Settings
 from fxport.errors import FxportError, InvalidInput, JobCancelled
 from fxport.jobs import ArtifactRecord, InputRef, JobErrorInfo, JobRecord, JobState, JobStore
 from fxport.logs import job_context
+from fxport.metrics import job_running
 from fxport.spec import JobSpec, parse_spec
 from fxport.toolchain import local_toolchain
 from fxport.storage import (
@@ -222,7 +223,7 @@ def execute_job(job_id: str, ctx: WorkerContext, *, final_attempt: bool = True,
     With `ctx.lease_s`, the job runs under its lease (workers/job_lease.py): LeaseHeld if a
     live worker already runs it; `on_heartbeat` is called with every lease renewal (the
     Celery task keeps its broker message invisible there)."""
-    with job_context(job_id):
+    with job_context(job_id), job_running("cpu"):
         if ctx.lease_s is None:
             return _execute_job(job_id, ctx, final_attempt)
         from dataclasses import replace
@@ -458,7 +459,7 @@ def execute_stage(stage: str, job_id: str, ctx: WorkerContext, *, final_attempt:
     """A later stage of a job, run as its own task. Only `tensorrt` (queue "gpu") exists."""
     if stage != "tensorrt":
         raise ValueError(f"unknown stage {stage!r}")
-    with job_context(job_id):
+    with job_context(job_id), job_running("gpu"):
         return _execute_tensorrt(job_id, ctx, final_attempt)
 
 

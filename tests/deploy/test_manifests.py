@@ -4,6 +4,7 @@ requests, a NetworkPolicy per workload)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import yaml
 
 from fxport.config import Settings
 
-from .conftest import K8S, OVERLAYS, REPO
+from .conftest import K8S, OVERLAYS, REPO, kustomize_build
 
 VARIANTS = (*OVERLAYS, "gpu-without-keda", "cpu-only-gvisor")
 # Oldest Kubernetes we claim (native gRPC probes, autoscaling/v2, policy/v1, PSA labels are
@@ -25,6 +26,7 @@ KUBERNETES_VERSIONS = ("1.30.0", "1.34.0")
 EXCLUDED_CRDS = {
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("keda.sh/v1alpha1", "TriggerAuthentication"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),  # test_the_pod_monitor_* below
 }
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 # FXPORT_* variables the manifests set that are not (yet) fields of fxport.config.Settings.
@@ -382,3 +384,58 @@ def test_the_gvisor_component_moves_only_the_cpu_workers_and_requires_seccomp(re
         assert pod.get("runtimeClassName") == ("gvisor" if is_worker else None), workload["metadata"]["name"]
         env = {e["name"]: e.get("value") for c in containers(workload) for e in c.get("env", [])}
         assert env.get("FXPORT_SANDBOX_REQUIRE") == ("seccomp" if is_worker else None)
+
+
+# ----------------------------------------------------------------------------- Prometheus Operator
+# Fields of monitoring.coreos.com/v1 PodMonitor used here (the operator's API reference).
+POD_MONITOR_SPEC_FIELDS = {"selector", "namespaceSelector", "podMetricsEndpoints", "podTargetLabels", "jobLabel"}
+POD_METRICS_ENDPOINT_FIELDS = {"port", "path", "scheme", "interval", "scrapeTimeout", "honorLabels", "relabelings"}
+
+
+@pytest.fixture(scope="module")
+def gpu_with_pod_monitor(tmp_path_factory) -> list[dict]:
+    """The gpu overlay (API, CPU and GPU workers) with the optional prometheus-operator
+    component added, as deploy/README.md says."""
+    gpu = K8S / "overlays" / "gpu"
+    kustomization = yaml.safe_load((gpu / "kustomization.yaml").read_text())
+    directory = tmp_path_factory.mktemp("gpu-prometheus-operator")
+    kustomization["resources"] = [os.path.relpath(gpu / r, directory) for r in kustomization["resources"]]
+    kustomization["components"] = [os.path.relpath(gpu / c, directory) for c in kustomization["components"]] + [
+        os.path.relpath(K8S / "components" / "prometheus-operator", directory)]
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return kustomize_build(directory, "--load-restrictor", "LoadRestrictionsNone")
+
+
+def test_the_pod_monitor_scrapes_every_metrics_endpoint_and_only_those(rendered, gpu_with_pod_monitor):
+    docs = gpu_with_pod_monitor
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == "fxport"
+    spec = monitor["spec"]
+    assert set(spec) <= POD_MONITOR_SPEC_FIELDS and {"selector", "podMetricsEndpoints"} <= set(spec)
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert set(endpoint) <= POD_METRICS_ENDPOINT_FIELDS
+    # the component only adds the PodMonitor: everything else is the gpu overlay as it was
+    assert [d for d in docs if d is not monitor] == rendered["gpu"]
+
+    scraped = {w["metadata"]["name"]: w for w in workloads(docs)
+               if labels_match(spec["selector"], w["spec"]["template"]["metadata"]["labels"])}
+    annotated = {w["metadata"]["name"] for w in workloads(docs)
+                 if w["spec"]["template"]["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"}
+    assert set(scraped) == annotated == {"fxport-api", "fxport-worker-cpu", "fxport-worker-gpu"}
+    policies = kinds(docs, "NetworkPolicy")
+    for name, workload in scraped.items():
+        template = workload["spec"]["template"]
+        annotations = template["metadata"]["annotations"]
+        (port,) = [p for c in containers(workload) for p in c.get("ports", []) if p.get("name") == endpoint["port"]]
+        # the same endpoint the prometheus.io/* annotations name
+        assert str(port["containerPort"]) == annotations["prometheus.io/port"], name
+        assert endpoint.get("path", "/metrics") == annotations["prometheus.io/path"], name
+        # and a NetworkPolicy admits the scrape
+        admitted = [rule for p in policies if p["spec"]["podSelector"]
+                    and labels_match(p["spec"]["podSelector"], template["metadata"]["labels"])
+                    for rule in p["spec"].get("ingress", [])
+                    if {q["port"] for q in rule.get("ports", [])} == {port["containerPort"]} and rule.get("from")]
+        assert admitted, f"no NetworkPolicy admits scrapes of {name} on {port['containerPort']}"
+    for label in spec.get("podTargetLabels", []):
+        assert all(label in w["spec"]["template"]["metadata"]["labels"] for w in scraped.values()), label

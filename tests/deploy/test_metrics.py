@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
+import re
 import subprocess
 import sys
 import textwrap
 import urllib.request
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry
 
+from fxport.config import Settings
 from fxport.metrics import (
     JOB_STATES,
     SANDBOX_FAILURE_REASONS,
@@ -32,6 +37,11 @@ DOCUMENTED_METRICS = (
     "fxport_cache_misses_total",
     "fxport_sandbox_failures_total",
     "fxport_upload_bytes_total",
+    "fxport_job_failures_total",
+    "fxport_build_info",
+    "grpc_server_started_total",
+    "grpc_server_handled_total",
+    "grpc_server_handling_seconds",
 )
 
 
@@ -125,3 +135,119 @@ def test_the_metrics_endpoint_stays_on_loopback_outside_kubernetes():
     assert Settings(listen="0.0.0.0:50051").metrics_bind_address(api=True, env={}) == "0.0.0.0"
     assert Settings(metrics_host="10.1.2.3").metrics_bind_address(api=False, env={"KUBERNETES_SERVICE_HOST": "x"}) \
         == "10.1.2.3"
+
+
+def test_the_readme_metrics_table_lists_every_metric():
+    """deploy/README.md's table keeps up with fxport/metrics.py (names are the operator contract)."""
+    registry = CollectorRegistry()
+    build_metrics(registry)
+    names = {m.name for m in registry.collect()}  # counters without their _total suffix
+    table = re.findall(r"^\| `([a-z_]+)` \|", (REPO / "deploy" / "README.md").read_text(), re.M)
+    missing = [n for n in sorted(names) if n not in table and f"{n}_total" not in table]
+    assert not missing, f"deploy/README.md's metrics table does not list {missing}"
+
+
+def test_build_info_names_the_versions_without_importing_torch():
+    """The API image has no torch and the API process must never import it: the torch label
+    comes from package metadata. Set when the metrics endpoint starts, in any process."""
+    script = textwrap.dedent(
+        """
+        import json, sys, urllib.request
+        from fxport import metrics
+        server, port = metrics.start_metrics_server(0, addr="127.0.0.1")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        server.shutdown()
+        print(json.dumps({"lines": [l for l in text.splitlines() if l.startswith("fxport_build_info")],
+                          "torch_imported": "torch" in sys.modules}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    from importlib import metadata
+
+    import fxport
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = ""
+    assert out["lines"] == [f'fxport_build_info{{python="{platform.python_version()}",torch="{torch}",'
+                            f'version="{fxport.__version__}"}} 1.0']
+    assert out["torch_imported"] is False
+
+
+def _sample(name: str, labels: dict[str, str]) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_a_job_counts_as_running_while_its_worker_runs_it_and_a_failure_names_stage_and_code(tmp_path):
+    """workers/jobs.py through a metered SQLite job store and a FileStore: fxport_jobs_running
+    is one higher exactly while the worker executes the job (CPU part: queue cpu, TensorRT
+    stage: queue gpu), and each FAILED job is counted with its error's stage and code, so a
+    verification failure and a store outage are two different series."""
+    from fxport.errors import ConversionFailed, VerificationFailed
+    from fxport.jobs import InputRef, JobRecord, SqliteJobStore, new_job_id
+    from fxport.metrics import MeteredJobStore
+    from fxport.spec import parse_spec
+    from fxport.storage import FileStore, StoreUnreachable, input_key
+    from fxport.workers.jobs import WorkerContext, execute_job, execute_stage
+
+    store = SqliteJobStore(tmp_path / "jobs.db")
+    ctx = WorkerContext(jobs=MeteredJobStore(store), artifacts=FileStore(tmp_path / "store"),
+                        settings=Settings(home=tmp_path, work_dir=tmp_path / "work"), worker_id="test-worker")
+    model = b"pretend this is a .pt2"
+    sha = hashlib.sha256(model).hexdigest()
+    (tmp_path / "model.pt2").write_bytes(model)
+    ctx.artifacts.put_file(input_key("default", sha), tmp_path / "model.pt2")
+
+    def new_job(targets: list[str]) -> str:
+        spec = parse_spec({"targets": targets})
+        rec, _ = ctx.jobs.create(JobRecord(
+            id=new_job_id(), tenant="default", spec=spec.normalized(), spec_digest=spec.digest(),
+            model=InputRef(sha256=sha, bytes=len(model), filename="m.pt2", key=input_key("default", sha))))
+        return rec.id
+
+    running = {q: _sample("fxport_jobs_running", {"queue": q}) for q in ("cpu", "gpu")}
+    seen: list[tuple[str, float]] = []
+
+    def failing(queue: str, stage: str, error: Exception):
+        def engine(model_path, spec, out_dir, *, on_progress=None, **_):
+            seen.append((queue, _sample("fxport_jobs_running", {"queue": queue})))
+            on_progress({"stage": stage, "progress": 0.0, "message": ""})
+            raise error
+        return engine
+
+    def failures(stage: str, code: str) -> float:
+        return _sample("fxport_job_failures_total", {"stage": stage, "code": code})
+
+    before = {k: failures(*k) for k in (("verify", "verification_failed"), ("export", "store_unreachable"),
+                                        ("tensorrt", "conversion_failed"))}
+    try:
+        ctx.engine = failing("cpu", "verify", VerificationFailed("onnx differs", stage="verify"))
+        assert execute_job(new_job(["onnx"]), ctx).error.code == "verification_failed"
+        ctx.engine = failing("cpu", "export", StoreUnreachable("the object store did not answer"))
+        assert execute_job(new_job(["onnx"]), ctx).error.code == "store_unreachable"
+
+        # TensorRT: the CPU part makes model.onnx and hands on; the gpu stage then fails
+        def onnx_engine(model_path, spec, out_dir, **_):
+            (out_dir / "model.onnx").write_bytes(b"onnx")
+            art = {"format": "onnx", "path": "model.onnx", "bytes": 4, "sha256": hashlib.sha256(b"onnx").hexdigest()}
+            manifest = {"artifacts": [art], "verification": [{"format": "onnx", "passed": True}]}
+            (out_dir / "manifest.json").write_text(json.dumps(manifest))
+            return manifest
+
+        trt = new_job(["tensorrt"])
+        ctx.enqueue_stage = lambda stage, job_id: None
+        ctx.engine = onnx_engine
+        execute_job(trt, ctx)
+        ctx.engine = failing("gpu", "tensorrt", ConversionFailed("engine build failed", stage="tensorrt"))
+        assert execute_stage("tensorrt", trt, ctx).error.code == "conversion_failed"
+    finally:
+        store.close()
+    assert seen == [("cpu", running["cpu"] + 1), ("cpu", running["cpu"] + 1), ("gpu", running["gpu"] + 1)]
+    assert {q: _sample("fxport_jobs_running", {"queue": q}) for q in ("cpu", "gpu")} == running
+    for key, value in before.items():
+        assert failures(*key) == value + 1, key

@@ -18,7 +18,7 @@ def scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"^(fxport_[a-z_]+(?:\{[^}]*\})?) ([0-9.eE+-]+)$", line)
+        m = re.match(r"^((?:fxport|grpc_server)_[a-z_]+(?:\{[^}]*\})?) ([0-9.eE+-]+)$", line)
         if m:
             values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
     return values
@@ -49,6 +49,11 @@ def test_counters_move_during_a_real_job(tmp_path: Path, redis_server, s3_server
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     assert moved(api_before, api_after, 'fxport_jobs_total{state="queued"}') == 1
+    submit = 'grpc_method="SubmitJob",grpc_service="fxport.v1.ConversionService",grpc_type="client_stream"'
+    assert moved(api_before, api_after, f'grpc_server_handled_total{{grpc_code="OK",{submit}}}') == 1
+    assert moved(api_before, api_after, f'grpc_server_handling_seconds_count{{{submit}}}') == 1
+    for after in (api_after, worker_after):  # each pod says what it runs
+        assert [k for k in after if k.startswith("fxport_build_info{")], after
     assert moved(api_before, api_after, 'fxport_upload_bytes_total{kind="model"}') == tiny_pt2.stat().st_size
     assert 'fxport_queue_depth{queue="cpu"}' in api_after
     assert moved(worker_before, worker_after, 'fxport_jobs_total{state="running"}') >= 1
