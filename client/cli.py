@@ -1,10 +1,13 @@
 """The `fxport` command line: submit and follow jobs, run the server and workers.
 
-Exit codes (DESIGN.md §4): 0 ok; 1 the job failed; 2 bad usage or invalid input; 3 timed
-out waiting; 4 server unreachable or auth failed. With `--json` stdout carries exactly one
-JSON document; progress and messages go to stderr (a rich bar on a terminal, plain lines
-otherwise). Heavy imports (grpc server, Celery, the engine) happen inside the commands
-that need them, so `fxport submit` works from the base install.
+Exit codes (README, "Command line"): 0 ok; 1 the job failed; 2 bad usage or invalid input —
+also a job that failed on invalid input (its model file, shapes), as `fxport convert` exits on
+the same input; 3 timed out waiting; 4 server unreachable or auth failed. With `--json`
+stdout carries exactly one JSON document; progress and messages go to stderr (a rich bar on a
+terminal, plain lines otherwise). Every error line names the command that ran
+(`fxport submit: error: ...`; client/errors.py, shared with `convert`). Heavy imports (grpc
+server, Celery, the engine) happen inside the commands that need them, so `fxport submit`
+works from the base install.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fxport.client import DEFAULT_SERVER, Client, Job, JobEvent
+from fxport.client.errors import error_doc, job_exit_code, print_error
 from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, FxportError, InvalidInput
 from fxport.spec import load_spec_file, parse_spec, spec_from_flags
 
@@ -53,18 +58,15 @@ def _emit_json(doc: Any) -> None:
     sys.stdout.flush()
 
 
-def _run(fn: Callable[[], int], as_json: bool) -> None:
-    """Run a command body; FxportError → message on stderr (+ JSON on stdout) and its exit code."""
+def _run(command: str, fn: Callable[[], int], as_json: bool) -> None:
+    """Run a command body; FxportError → `fxport COMMAND: error…` on stderr (+ JSON on stdout)
+    and its exit code."""
     try:
         code = fn()
     except FxportError as exc:
-        stage = f" during {exc.stage}" if exc.stage and exc.stage != "submit" else ""
-        _err.print(f"[red]error{stage}:[/] {exc}")
+        print_error(_err, command, exc)
         if as_json:
-            doc = {"error": exc.to_dict()}
-            if hasattr(exc, "violations"):
-                doc["error"]["violations"] = [{"field": f, "message": m} for f, m in exc.violations]
-            _emit_json(doc)
+            _emit_json(error_doc(command, exc))
         raise typer.Exit(exc.exit_code or EXIT_FAILED)
     raise typer.Exit(code)
 
@@ -106,13 +108,15 @@ class _Progress:
                     self._bar.update(task, completed=1.0)
             _err.print(f"{ev.state.lower()}: {ev.message}", markup=False)
             return
-        # Plain lines (CI logs): one per stage start and per message worth reading.
+        # Plain lines (CI logs): one per stage start and per message worth reading, worded as
+        # `fxport convert` words them (convert_command.StageProgress): `[export] started`.
         stage = ev.stage or ev.state.lower()
         key = (ev.state, stage, ev.message)
         if key == self._last or (ev.message in ("", "done") and self._last and self._last[1] == stage):
             return
         self._last = key
-        _err.print(f"[{stage}] {ev.message or ev.state.lower()}", markup=False)
+        text = ev.message or ("started" if ev.state == "RUNNING" else ev.state.lower())
+        _err.print(f"[{stage}] {text}", markup=False, highlight=False)
 
 
 def _job_summary(job: Job, out: Path | None, console: Console) -> None:
@@ -122,7 +126,7 @@ def _job_summary(job: Job, out: Path | None, console: Console) -> None:
     console.print(f"job [bold]{job.id}[/]: [{colour}]{job.state}[/]{during}")
     if job.error:
         e = job.error
-        console.print(f"[red]error[/] during {e['stage'] or '?'} ({e['code']}): {e['message']}")
+        console.print(f"[red]error[/] during {escape(e['stage'] or '?')} ({escape(e['code'])}): {escape(e['message'])}")
     manifest_path = out / "manifest.json" if out else None
     if manifest_path is not None and manifest_path.is_file():
         from fxport.client.result_table import render_manifest
@@ -172,7 +176,8 @@ def _finish(job: Job, *, out: Optional[Path], as_json: bool) -> int:
         _emit_json(doc)
     else:
         _job_summary(job, out, Console())
-    return EXIT_OK if job.succeeded else EXIT_FAILED
+    # A job that failed on invalid input exits 2, as `fxport convert` does on the same input.
+    return job_exit_code(job.state, job.error)
 
 
 def _labels(values: Optional[list[str]]) -> dict[str, str]:
@@ -250,7 +255,7 @@ def submit(
                 job.wait(timeout=timeout, on_event=progress, download_to=out)
             return _finish(job, out=out, as_json=as_json)
 
-    _run(body, as_json)
+    _run("submit", body, as_json)
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,24 +281,28 @@ def jobs_list(
         if as_json:
             _emit_json({"jobs": [j.to_dict() for j in page.jobs], "next_page_token": page.next_page_token})
             return EXIT_OK
-        from rich.table import Table
-
-        table = Table()
-        for col in ("id", "state", "stage", "created", "targets", "labels"):
-            table.add_column(col)
         import time as _time
 
+        rows = []
         for j in page.jobs:
             d = j.to_dict()
             created = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(d["created_at"])) if d["created_at"] else ""
-            table.add_row(j.id, j.state, j.stage, created, ",".join(j.spec.get("targets", [])),
-                          ",".join(f"{k}={v}" for k, v in d["labels"].items()))
-        Console().print(table)
+            rows.append([j.id, j.state, j.stage, created, ",".join(j.spec.get("targets", [])),
+                         ",".join(f"{k}={v}" for k, v in d["labels"].items())])
+        for line in _columns(["id", "state", "stage", "created", "targets", "labels"], rows):
+            print(line)
         if page.next_page_token:
             _err.print(f"more: --page-token {page.next_page_token}")
         return EXIT_OK
 
-    _run(body, as_json)
+    _run("jobs list", body, as_json)
+
+
+def _columns(header: list[str], rows: list[list[str]]) -> list[str]:
+    """One line per row, columns aligned, nothing cut or wrapped: a job id is whole at any width
+    (a rich table on an 80-column pipe ellipsized it) and a line is one job, for grep and awk."""
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)]
 
 
 @jobs_app.command("get")
@@ -309,7 +318,7 @@ def jobs_get(job_id: str, server: str = SERVER, token: Optional[str] = TOKEN, as
             _job_summary(job, None, Console())
         return EXIT_OK
 
-    _run(body, as_json)
+    _run("jobs get", body, as_json)
 
 
 @jobs_app.command("watch")
@@ -320,7 +329,7 @@ def jobs_watch(
     token: Optional[str] = TOKEN,
     as_json: bool = JSON_OUT,
 ) -> None:
-    """Follow a job until it ends; exit 0 if it succeeded, 1 if not."""
+    """Follow a job until it ends; exit 0 if it succeeded, 2 if it failed on invalid input, 1 if not."""
 
     def body() -> int:
         with Client(server, token=token) as client:
@@ -329,7 +338,7 @@ def jobs_watch(
                 job.wait(timeout=timeout, on_event=progress)
             return _finish(job, out=None, as_json=as_json)
 
-    _run(body, as_json)
+    _run("jobs watch", body, as_json)
 
 
 @jobs_app.command("cancel")
@@ -345,7 +354,7 @@ def jobs_cancel(job_id: str, server: str = SERVER, token: Optional[str] = TOKEN,
             print(f"job {job.id}: {job.state}")
         return EXIT_OK
 
-    _run(body, as_json)
+    _run("jobs cancel", body, as_json)
 
 
 @jobs_app.command("download")
@@ -370,7 +379,7 @@ def jobs_download(
                 print(p)
         return EXIT_OK
 
-    _run(body, as_json)
+    _run("jobs download", body, as_json)
 
 
 # ---------------------------------------------------------------------------------------
@@ -399,7 +408,7 @@ def serve(
     try:
         settings = Settings(**overrides)
     except Exception as exc:
-        _err.print(f"[red]error:[/] invalid settings: {exc}")
+        _err.print(f"[red]fxport serve: error:[/] invalid settings: {escape(str(exc))}")
         raise typer.Exit(EXIT_USAGE)
     configure_logging(settings.log_level, settings.log_format)
     from fxport.service.server import create_server
@@ -407,7 +416,7 @@ def serve(
     try:
         server, port = create_server(settings)
     except (OSError, ValueError, FxportError) as exc:
-        _err.print(f"[red]error:[/] cannot start the server: {exc}")
+        _err.print(f"[red]fxport serve: error:[/] cannot start the server: {escape(str(exc))}")
         raise typer.Exit(EXIT_USAGE)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -443,12 +452,12 @@ def worker(
     wanted = [q.strip() for q in queues.split(",") if q.strip()]
     bad = [q for q in wanted if q not in ("cpu", "gpu")]
     if bad or not wanted:
-        _err.print(f"[red]error:[/] --queues {queues!r}: valid queues are cpu, gpu")
+        _err.print(f"[red]fxport worker: error:[/] --queues {escape(repr(queues))}: valid queues are cpu, gpu")
         raise typer.Exit(EXIT_USAGE)
     from fxport.config import Settings
 
     if not Settings().broker_url:
-        _err.print("[red]error:[/] a worker needs a broker: --broker redis://… or FXPORT_BROKER_URL")
+        _err.print("[red]fxport worker: error:[/] a worker needs a broker: --broker redis://… or FXPORT_BROKER_URL")
         raise typer.Exit(EXIT_USAGE)
     settings = Settings()
     metrics_port = settings.metrics_port

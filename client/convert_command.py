@@ -6,6 +6,17 @@ engine in the same sandbox as the workers (a child process with no sockets, read
 Python, its packages and the model, writes to the output folder only; workers/sandbox/), and
 this process never loads the model. `--no-sandbox` runs it in this process instead, for a
 model the user trusts, and says so.
+
+`--target tensorrt` on a machine that cannot build an engine (no TensorRT, no GPU) does the CPU
+stage's part, as a worker does before the GPU queue (`deferred_targets`): it exports the ONNX
+model the engine would be built from, runs the TensorRT preflight on it and verifies every other
+artifact; then it fails, saying why the engine cannot be built here and where it can. A model
+the preflight rejects fails with every op and node it names (exit 1, as `submit --wait` of it
+would); one it accepts exits 2 (bad usage: this machine cannot do what was asked). manifest.json
+records the preflight either way.
+
+Errors and exit codes are worded and chosen as `fxport submit` words and chooses them
+(client/errors.py): `fxport convert: error during load: ...`.
 """
 
 from __future__ import annotations
@@ -19,8 +30,9 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, FxportError
-from fxport.spec import load_spec_file, parse_spec, spec_from_flags
+from fxport.client.errors import CannotRunHere, error_doc, print_error
+from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConversionFailed, FxportError, InvalidInput
+from fxport.spec import JobSpec, load_spec_file, parse_spec, spec_from_flags
 
 STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark")
 
@@ -87,45 +99,157 @@ def convert_command(
                                               passes=pass_, precision=precision, benchmark=benchmark,
                                               outputs=output))
         if not model.is_file():
-            raise FxportError(f"model file {str(model)!r} does not exist", stage="load")
+            raise InvalidInput(f"model file {str(model)!r} not found", field="model")  # as `submit` says it
     except FxportError as exc:
         _fail(exc, err, as_json, code=EXIT_USAGE)
         return
 
+    # No TensorRT or no GPU here: the CPU stage's part of a tensorrt job, then a clear error.
+    no_engine = _engine_unavailable(job_spec)
+    deferred = ("tensorrt",) if no_engine is not None else ()
     manifest: dict[str, Any] | None = None
     try:
-        with StageProgress(err, enabled=not as_json) as progress:
+        # Progress goes to stderr with --json too, as `submit --wait --json` prints it.
+        with StageProgress(err, enabled=True) as progress:
             if no_sandbox:
                 from fxport.workers.engine.pipeline import convert
 
                 err.print("[yellow]warning:[/] --no-sandbox: the model is loaded and run in this process, with your "
                           "rights (its pickles can run any code); use it only for a model you trust", highlight=False)
-                manifest = convert(model, job_spec, out, calibration_path=calibration, on_progress=progress)
+                manifest = convert(model, job_spec, out, calibration_path=calibration, on_progress=progress,
+                                   deferred_targets=deferred)
             else:
                 from fxport.workers.sandbox import run_engine_job
 
                 # A fresh interpreter, not a warm zygote: one job pays one `import torch` either way.
                 manifest = run_engine_job(model, job_spec, out, job_id=f"local-{uuid.uuid4().hex[:12]}",
-                                          calibration_path=calibration, on_progress=progress, warm=False)
+                                          calibration_path=calibration, on_progress=progress, warm=False,
+                                          deferred_targets=deferred)
     except FxportError as exc:
-        manifest_path = out / "manifest.json"
-        if as_json and manifest_path.exists():
-            sys.stdout.write(manifest_path.read_text() + "\n")
-        _fail(exc, err, as_json, code=exc.exit_code, quiet_stdout=True)
+        if no_engine is not None and exc.stage == "tensorrt":  # the CPU stage's only tensorrt step: the preflight
+            exc = _preflight_rejected(out, exc, no_engine)
+        written = _read_manifest(out)
+        if as_json and written is not None:
+            sys.stdout.write(json.dumps(written, indent=2, default=str) + "\n")
+        _fail(exc, err, as_json, code=exc.exit_code, quiet_stdout=written is not None)
         return
+    failure: FxportError | None = None
+    if no_engine is not None:
+        failure = _engine_not_built(out, no_engine, model)
+        manifest = _read_manifest(out) or manifest
     if as_json:
         sys.stdout.write(json.dumps(manifest, indent=2, default=str) + "\n")
     else:
         from fxport.client.result_table import render_manifest
 
         render_manifest(manifest, Console())
-        Console().print(f"[green]ok[/]: artifacts and manifest.json in {out}/")
+        if failure is None:
+            Console().print(f"[green]ok[/]: artifacts and manifest.json in {out}/")
+    if failure is not None:
+        _fail(failure, err, as_json, code=failure.exit_code, quiet_stdout=True)
     raise typer.Exit(EXIT_OK)
 
 
 def _fail(exc: FxportError, err: Console, as_json: bool, *, code: int, quiet_stdout: bool = False) -> None:
-    stage = f" during {exc.stage}" if exc.stage else ""
-    err.print(f"[red]error{stage}:[/] {exc}", highlight=False, soft_wrap=True)
+    """`fxport convert: error[ during STAGE]: ...` on stderr, worded as every command words it;
+    with --json the error document on stdout unless the manifest went there."""
+    print_error(err, "convert", exc)
     if as_json and not quiet_stdout:
-        sys.stdout.write(json.dumps({"error": exc.to_dict()}) + "\n")
+        sys.stdout.write(json.dumps(error_doc("convert", exc)) + "\n")
     raise typer.Exit(code if code else EXIT_FAILED)
+
+
+# ---------------------------------------------------------------------------------------
+# --target tensorrt where no engine can be built
+# ---------------------------------------------------------------------------------------
+
+GPU_SERVER_HINT = "an fxport server with a GPU worker (queue gpu)"
+
+
+def _engine_unavailable(spec: JobSpec) -> str | None:
+    """Why this machine cannot build the TensorRT engine the spec asks for; None when it can
+    (or when the spec asks for none)."""
+    if "tensorrt" not in spec.targets:
+        return None
+    from fxport.workers.engine.tensorrt.builder import tensorrt_unavailable
+
+    return tensorrt_unavailable()
+
+
+def _read_manifest(out: Path) -> dict[str, Any] | None:
+    """out/manifest.json as the engine (or the sandboxed model) left it: read without following
+    a link and within the sandbox's bound; None when there is none to read."""
+    from fxport.workers.sandbox import beneath
+    from fxport.workers.sandbox.run import MAX_MANIFEST_BYTES
+
+    try:
+        with beneath.opened_dir(out) as fd:
+            data = json.loads(beneath.read_bounded(fd, "manifest.json", MAX_MANIFEST_BYTES, "manifest.json"))
+    except (OSError, ValueError, RecursionError, FxportError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _record_failure(out: Path, manifest: dict[str, Any], exc: FxportError) -> None:
+    """The command's own failure into manifest.json (never written through a link), and report.html redrawn."""
+    from fxport.workers.sandbox import beneath
+    from fxport.workers.sandbox.run import draw_report
+
+    manifest["status"] = "failed"
+    manifest["error"] = exc.to_dict()
+    try:
+        with beneath.opened_dir(out) as fd:
+            beneath.replace_file(fd, "manifest.json", json.dumps(manifest, indent=2, default=str).encode())
+    except (OSError, FxportError):
+        return
+    draw_report(out)
+
+
+def _preflight_rejected(out: Path, exc: FxportError, why: str) -> FxportError:
+    """The preflight rejected the ONNX model: every op and node it names, then why the engine
+    could not be built here anyway. A conversion failure (exit 1), as on a server."""
+    from fxport.workers.engine.tensorrt.preflight import Finding
+
+    manifest = _read_manifest(out)
+    pre = ((manifest or {}).get("tensorrt") or {}).get("preflight") or {}
+    findings = []
+    for item in pre.get("errors") or ():
+        if isinstance(item, dict):
+            findings.append(Finding(**{k: str(item.get(k) or "") for k in ("severity", "node", "op_type", "reason",
+                                                                               "where")}))
+    if manifest is None or not findings:
+        return exc  # not the preflight's failure after all: as the engine said it
+    listed = "\n".join(f"  {f.describe()}" for f in findings)
+    failure = ConversionFailed(
+        f"TensorRT preflight against the {pre.get('checked_against') or 'TensorRT ONNX parser'}: {len(findings)} "
+        f"problem(s) in the ONNX model the engine would be built from:\n{listed}\n"
+        f"and the engine cannot be built on this machine either: {why}",
+        stage="tensorrt", field="targets",
+        hint="change the model so the ops above are not exported (an equivalent torch op that exports to a "
+             f"supported ONNX op), or drop tensorrt from targets; the engine itself builds on {GPU_SERVER_HINT}",
+        detail=exc.detail,
+    )
+    _record_failure(out, manifest, failure)
+    return failure
+
+
+def _engine_not_built(out: Path, why: str, model: Path) -> FxportError:
+    """The CPU stage passed (ONNX model exported and preflighted, the rest verified): the engine
+    is all that is left, and this machine cannot build it. Bad usage here (exit 2)."""
+    manifest = _read_manifest(out) or {}
+    pre = (manifest.get("tensorrt") or {}).get("preflight") or {}
+    paths = {a.get("path") for a in manifest.get("artifacts") or () if isinstance(a, dict)}
+    onnx_name = "model.tensorrt.onnx" if "model.tensorrt.onnx" in paths else "model.onnx"
+    warned = len(pre.get("warnings") or ())
+    checked = (f"passed the TensorRT preflight against the {pre.get('checked_against')}: {pre.get('nodes')} node(s)"
+               + (f", {warned} warning(s) in manifest.json" if warned else ", no warnings")) if pre else "was written"
+    failure = CannotRunHere(
+        f"the TensorRT engine cannot be built on this machine: {why}. The ONNX model it would be built from, "
+        f"{out / onnx_name}, {checked}; the other artifacts are in {out}/",
+        stage="tensorrt", field="targets",
+        hint=f"build the engine on {GPU_SERVER_HINT}: fxport submit {model} --target tensorrt "
+             "--server HOST:PORT with the same spec flags; or drop tensorrt from targets",
+    )
+    if manifest:
+        _record_failure(out, manifest, failure)
+    return failure

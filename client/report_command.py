@@ -27,10 +27,10 @@ def report_command(
     try:
         path = write_report(manifest, out)
     except FileNotFoundError:
-        err.print(f"[red]error:[/] manifest {str(manifest)!r} does not exist", highlight=False, soft_wrap=True)
+        err.print(f"[red]fxport report: error:[/] manifest {str(manifest)!r} does not exist", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
-        err.print(f"[red]error:[/] {manifest} is not a readable manifest.json: {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]fxport report: error:[/] {manifest} is not a readable manifest.json: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_USAGE)
     print(path)
     if open_browser:

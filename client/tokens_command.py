@@ -27,7 +27,7 @@ def _entry_or_exit(tenant: str, token: str) -> str:
     try:
         return token_entry(tenant, token)
     except ValueError as exc:
-        _err.print(f"[red]error:[/] {exc}")
+        _err.print(f"[red]fxport tokens: error:[/] {exc}")
         raise typer.Exit(EXIT_USAGE)
 
 
@@ -76,7 +76,7 @@ def tokens_hash(
     if token is None:
         token = sys.stdin.readline().strip()
     if not token:
-        _err.print("[red]error:[/] no token given (pass --token or pipe it on stdin)")
+        _err.print("[red]fxport tokens: error:[/] no token given (pass --token or pipe it on stdin)")
         raise typer.Exit(EXIT_USAGE)
     print(_entry_or_exit(tenant, token))
     raise typer.Exit(EXIT_OK)

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3  # a job that kills its worker this many times fails instead of looping
 CANCEL_POLL_S = 0.5
 PROGRESS_EVERY_S = 0.25  # progress events within one stage, at most this often per job
+MESSAGES_PER_STAGE = 8  # …except a stage's first few distinct messages ("[export] torchscript"), recorded at once
 _KEEP_ON_FAILURE = ("manifest.json", "report.html")
 ENGINE_ONNX = ("model.tensorrt.onnx", "model.onnx")  # what the GPU stage builds from, in order of preference  # what a failed job still publishes
 
@@ -315,20 +316,23 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
     written = {"at": time.monotonic()}
 
     seen_stages: set[str] = set()
+    said: dict[str, set[str]] = {}
 
     def on_progress(event: dict[str, Any]) -> None:
         stage = event.get("stage") or current["stage"]
         first_of_stage = stage not in seen_stages
         seen_stages.add(stage)
+        news = _news(said.setdefault(stage, set()), event.get("message") or "")
         current["stage"] = stage
         if cancel.event.is_set():
             return
         if stage in ("export", "verify") and early and ctx.settings.early_upload:  # go up while the engine works on
             early[0].offer()
-        # A stage's first event is recorded at once; the rest at most every PROGRESS_EVERY_S, so
-        # a model that floods its events (the sandbox checks and bounds each one) costs the job
-        # store a few writes a second, whatever it sends (each update rewrites the whole record).
-        if not first_of_stage and time.monotonic() - written["at"] < PROGRESS_EVERY_S:
+        # A stage's first event and its first few distinct messages (each export target, which come
+        # milliseconds apart) are recorded at once; the rest at most every PROGRESS_EVERY_S, so a
+        # model that floods its events (the sandbox checks and bounds each one) costs the job store
+        # a few writes a second, whatever it sends (each update rewrites the whole record).
+        if not (first_of_stage or news) and time.monotonic() - written["at"] < PROGRESS_EVERY_S:
             return
         written["at"] = time.monotonic()
         ctx.jobs.transition(job_id, stage=stage, progress=event.get("progress"), message=event.get("message"))
@@ -497,9 +501,11 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
                                         tenant=None if ctx.settings.cache_share_across_tenants else rec.tenant)
                      if spec.tensorrt.timing_cache == "shared" else None)
             last_write = [0.0]
+            said: set[str] = set()
 
-            def on_progress(event: dict[str, Any]) -> None:  # at most every PROGRESS_EVERY_S, as for the CPU stage
-                if time.monotonic() - last_write[0] >= PROGRESS_EVERY_S:
+            def on_progress(event: dict[str, Any]) -> None:  # as for the CPU stage
+                news = _news(said, event.get("message") or "")
+                if news or time.monotonic() - last_write[0] >= PROGRESS_EVERY_S:
                     last_write[0] = time.monotonic()
                     ctx.jobs.transition(job_id, stage="tensorrt", progress=event.get("progress"),
                                         message=event.get("message"))
@@ -533,6 +539,14 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
     if not changed:
         forget_job_result(ctx.artifacts, cached)
     return rec
+
+
+def _news(said: set[str], message: str) -> bool:
+    """Whether `message` is one of its stage's first MESSAGES_PER_STAGE distinct ones (then noted)."""
+    if message in ("", "done") or message in said or len(said) >= MESSAGES_PER_STAGE:
+        return False
+    said.add(message)
+    return True
 
 
 def _merge_failed_manifest(cpu_manifest: dict[str, Any] | None, path: Path) -> None:

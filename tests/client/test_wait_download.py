@@ -46,9 +46,9 @@ def test_wait_download_to_keeps_the_manifest_and_report_of_a_job_that_fails_veri
     assert "<html" in (out / "report.html").read_text()[:2000].lower()
 
 
-def test_submit_out_of_a_model_that_fails_to_load_exits_1_with_its_manifest_and_report(
+def test_submit_out_of_a_model_that_fails_to_load_exits_2_with_its_manifest_and_report(
         distributed_stack, tmp_path):
-    """The CLI takes the same path (Job.wait's download): exit 1, the error, and both files."""
+    """The CLI takes the same path (Job.wait's download): exit 2 (invalid input), the error, and both files."""
     junk = tmp_path / "junk.pt2"
     junk.write_bytes(b"not a model at all")
     out = tmp_path / "out"
@@ -56,7 +56,7 @@ def test_submit_out_of_a_model_that_fails_to_load_exits_1_with_its_manifest_and_
         [sys.executable, "-m", "fxport.client.cli", "submit", str(junk), "--target", "onnx",
          "--server", distributed_stack.address, "--out", str(out), "--timeout", "240", "--json"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
-    assert proc.returncode == 1, (proc.stdout, proc.stderr, distributed_stack.logs())
+    assert proc.returncode == 2, (proc.stdout, proc.stderr, distributed_stack.logs())
     doc = json.loads(proc.stdout)
     assert doc["state"] == "FAILED" and doc["error"]["stage"] == "load" and doc["error"]["message"]
     assert sorted(doc["downloaded"]) == [str(out / name) for name in KEPT]

@@ -78,11 +78,11 @@ def test_cli_exit_codes(embedded_server, tiny_pt2, tmp_path):
     res = fxport("submit", str(tiny_pt2), "--target", "onnx", "--server", embedded_server.address,
                  "--wait", "--timeout", "0.5", "--json")
     assert res.returncode == 3, res.stderr
-    # 1: the job failed (a model file that is not a model: the load stage says so).
+    # 2: the job failed on invalid input (a model file that is not a model), as convert exits.
     junk = tmp_path / "junk.pt2"
     junk.write_bytes(b"not a model at all")
     res = fxport("submit", str(junk), "--target", "onnx", "--server", embedded_server.address, "--wait", "--json")
-    assert res.returncode == 1, res.stderr
+    assert res.returncode == 2, res.stderr
     doc = json.loads(res.stdout)
     assert doc["state"] == "FAILED" and doc["error"]["stage"] == "load" and doc["error"]["message"]
 
