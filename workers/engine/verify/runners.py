@@ -7,10 +7,12 @@ dict, a tuple or a single tensor compare leaf by leaf.
 from __future__ import annotations
 
 import importlib.util
+import pickle
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -91,7 +93,8 @@ class ExportedProgramRunner(Runner):
 
 
 class FxSourceRunner(Runner):
-    """Imports the generated Python source and runs it: proves the source is complete."""
+    """Imports the generated Python source and runs it: proves the source is complete, and that
+    loading it unpickles nothing (the artifact's promise: its tensors come from safetensors)."""
 
     name, runtime = "fx_source", "python"
 
@@ -108,14 +111,40 @@ class FxSourceRunner(Runner):
         writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
         try:
             spec.loader.exec_module(module)
+            with _no_unpickling(f"{self.class_name}()"):  # where the weights load
+                self.module = getattr(module, self.class_name)().eval()
         finally:
             sys.modules.pop(mod_name, None)
             sys.dont_write_bytecode = writes_bytecode
-        self.module = getattr(module, self.class_name)().eval()
 
     def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
         with torch.no_grad():
             return flatten_outputs(self.module(*args))
+
+
+@contextmanager
+def _no_unpickling(what: str) -> Iterator[None]:
+    """While inside, torch.load and pickle's loaders raise: what runs in here unpickles nothing
+    (torch.load's weights_only unpickler included). Meant for a constructor call, which imports
+    nothing that could keep a reference to a stand-in; one artifact loads at a time in a job."""
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError(f"{what} unpickles (torch.load / pickle) while loading; it must read its tensors "
+                           "with safetensors only")
+
+    class Refused(pickle.Unpickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            refuse()
+
+    stand_ins = {(torch, "load"): refuse, (pickle, "load"): refuse, (pickle, "loads"): refuse,
+                 (pickle, "Unpickler"): Refused}
+    saved = {key: getattr(*key) for key in stand_ins}
+    try:
+        for (obj, attr), value in stand_ins.items():
+            setattr(obj, attr, value)
+        yield
+    finally:
+        for (obj, attr), value in saved.items():
+            setattr(obj, attr, value)
 
 
 def ort_session_options() -> Any:
