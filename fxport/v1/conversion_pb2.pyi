@@ -1,12 +1,9 @@
-import datetime
-
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -35,7 +32,7 @@ class FileHeader(_message.Message):
     size: int
     sha256: str
     stored: bool
-    def __init__(self, filename: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., stored: _Optional[bool] = ...) -> None: ...
+    def __init__(self, filename: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., stored: bool = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
     __slots__ = ("spec", "model", "calibration", "idempotency_key", "no_cache")
@@ -49,7 +46,7 @@ class SubmitHeader(_message.Message):
     calibration: FileHeader
     idempotency_key: str
     no_cache: bool
-    def __init__(self, spec: _Optional[str] = ..., model: _Optional[_Union[FileHeader, _Mapping]] = ..., calibration: _Optional[_Union[FileHeader, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., no_cache: _Optional[bool] = ...) -> None: ...
+    def __init__(self, spec: _Optional[str] = ..., model: _Optional[_Union[FileHeader, _Mapping]] = ..., calibration: _Optional[_Union[FileHeader, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., no_cache: bool = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("header", "model_chunk", "calibration_chunk")
@@ -77,7 +74,7 @@ class CheckUploadRequest(_message.Message):
     model_size: int
     calibration_size: int
     direct_upload: bool
-    def __init__(self, model_sha256: _Optional[str] = ..., calibration_sha256: _Optional[str] = ..., spec: _Optional[str] = ..., no_cache: _Optional[bool] = ..., model_size: _Optional[int] = ..., calibration_size: _Optional[int] = ..., direct_upload: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model_sha256: _Optional[str] = ..., calibration_sha256: _Optional[str] = ..., spec: _Optional[str] = ..., no_cache: bool = ..., model_size: _Optional[int] = ..., calibration_size: _Optional[int] = ..., direct_upload: bool = ...) -> None: ...
 
 class UploadTarget(_message.Message):
     __slots__ = ("url", "headers", "expires_at")
@@ -94,7 +91,7 @@ class UploadTarget(_message.Message):
     url: str
     headers: _containers.ScalarMap[str, str]
     expires_at: _timestamp_pb2.Timestamp
-    def __init__(self, url: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    def __init__(self, url: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., expires_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class CheckUploadResponse(_message.Message):
     __slots__ = ("model_present", "calibration_present", "max_upload_bytes", "cache_hit", "model_upload", "calibration_upload")
@@ -110,7 +107,7 @@ class CheckUploadResponse(_message.Message):
     cache_hit: bool
     model_upload: UploadTarget
     calibration_upload: UploadTarget
-    def __init__(self, model_present: _Optional[bool] = ..., calibration_present: _Optional[bool] = ..., max_upload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., model_upload: _Optional[_Union[UploadTarget, _Mapping]] = ..., calibration_upload: _Optional[_Union[UploadTarget, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_present: bool = ..., calibration_present: bool = ..., max_upload_bytes: _Optional[int] = ..., cache_hit: bool = ..., model_upload: _Optional[_Union[UploadTarget, _Mapping]] = ..., calibration_upload: _Optional[_Union[UploadTarget, _Mapping]] = ...) -> None: ...
 
 class InputRef(_message.Message):
     __slots__ = ("sha256", "bytes", "filename", "key")
@@ -158,7 +155,7 @@ class StageTiming(_message.Message):
     stage: str
     started_at: _timestamp_pb2.Timestamp
     finished_at: _timestamp_pb2.Timestamp
-    def __init__(self, stage: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    def __init__(self, stage: _Optional[str] = ..., started_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "tenant", "state", "stage", "progress", "message", "spec_json", "spec_digest", "labels", "model", "calibration", "artifacts", "error", "created_at", "updated_at", "started_at", "finished_at", "stage_timings", "cache_hit", "worker", "attempts", "idempotency_key", "last_seq", "staged_artifacts")
@@ -217,7 +214,7 @@ class Job(_message.Message):
     idempotency_key: str
     last_seq: int
     staged_artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
-    def __init__(self, id: _Optional[str] = ..., tenant: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., stage: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., spec_json: _Optional[str] = ..., spec_digest: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[_Union[InputRef, _Mapping]] = ..., calibration: _Optional[_Union[InputRef, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stage_timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., cache_hit: _Optional[bool] = ..., worker: _Optional[str] = ..., attempts: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., last_seq: _Optional[int] = ..., staged_artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., tenant: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., stage: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., spec_json: _Optional[str] = ..., spec_digest: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[_Union[InputRef, _Mapping]] = ..., calibration: _Optional[_Union[InputRef, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., created_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., stage_timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., cache_hit: bool = ..., worker: _Optional[str] = ..., attempts: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., last_seq: _Optional[int] = ..., staged_artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "job_id", "time", "state", "stage", "progress", "message", "job", "staged")
@@ -239,7 +236,7 @@ class JobEvent(_message.Message):
     message: str
     job: Job
     staged: Artifact
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., stage: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., job: _Optional[_Union[Job, _Mapping]] = ..., staged: _Optional[_Union[Artifact, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., stage: _Optional[str] = ..., progress: _Optional[float] = ..., message: _Optional[str] = ..., job: _Optional[_Union[Job, _Mapping]] = ..., staged: _Optional[_Union[Artifact, _Mapping]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -334,4 +331,4 @@ class GetArtifactUrlResponse(_message.Message):
     expires_at: _timestamp_pb2.Timestamp
     bytes: int
     sha256: str
-    def __init__(self, url: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    def __init__(self, url: _Optional[str] = ..., expires_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
