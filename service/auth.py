@@ -28,6 +28,7 @@ from typing import Any, Callable
 import grpc
 
 from fxport.config import Settings
+from fxport.service.handlers import wrap_handler
 from fxport.service.tenancy import CURRENT_TENANT
 from fxport.storage import SHA256_RE, TENANT_RE
 
@@ -219,16 +220,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
                     CURRENT_TENANT.reset(reset)
             return wrapper
 
-        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary_response(handler.unary_unary), **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary_response(handler.stream_unary), **kw)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(stream_response(handler.unary_stream), **kw)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(stream_response(handler.stream_stream), **kw)
-        return handler
+        return wrap_handler(handler, unary_response, stream_response)
 
 
 def is_loopback(listen: str) -> bool:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import grpc
 
+from fxport.service.handlers import wrap_handler
 from fxport.service.tenancy import current_tenant
 
 log = logging.getLogger("fxport.rpc")
@@ -60,16 +61,7 @@ class LoggingInterceptor(grpc.ServerInterceptor):
                     record(request, context, started, exc)
             return wrapper
 
-        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary_response(handler.unary_unary), **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary_response(handler.stream_unary), **kw)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(stream_response(handler.unary_stream), **kw)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(stream_response(handler.stream_stream), **kw)
-        return handler
+        return wrap_handler(handler, unary_response, stream_response)
 
 
 def _status_name(context: grpc.ServicerContext, exc: BaseException | None) -> str:
@@ -144,13 +136,4 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             finally:
                 done(context, started, exc)
 
-        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary_response(handler.unary_unary), **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary_response(handler.stream_unary), **kw)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(stream_response(handler.unary_stream), **kw)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(stream_response(handler.stream_stream), **kw)
-        return handler
+        return wrap_handler(handler, unary_response, stream_response)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
+from fxport.service.handlers import wrap_handler
 from fxport.storage import StoreUnreachable
 
 log = logging.getLogger(__name__)
@@ -83,13 +84,4 @@ class BackendUnavailableInterceptor(grpc.ServerInterceptor):
                     self._abort(context, exc, backend, method)
             return run
 
-        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)
-        return handler
+        return wrap_handler(handler, unary, streaming)
