@@ -67,15 +67,6 @@ def _merge_outputs(worst: list[dict[str, Any]], sample: list[dict[str, Any]]) ->
     return worst
 
 
-def _try(runner: Runner, args: tuple[Any, ...]) -> str:
-    try:
-        runner.infer(args)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        return f"refused: {type(exc).__name__}: {first}"
-    return "runs (not verified)"
-
-
 def verify_artifacts(
     reference: Runner,
     runners: list[Runner],
@@ -85,13 +76,8 @@ def verify_artifacts(
     *,
     compare: Callable[[list[np.ndarray], list[np.ndarray], VerifyOptions], dict[str, Any]] | None = None,
     finish: Callable[[dict[str, Any]], None] | None = None,
-    outside: list[tuple[str, tuple[Any, ...]]] = (),
 ) -> list[dict[str, Any]]:
     """One record per runner: worst metrics across all sample points, and every shape checked.
-
-    `outside`: (label, inputs) just past the spec's ranges. Each artifact is run on them once and
-    its record says under `outside_range` whether it runs them (unverified) or refuses them: the
-    guard differs by format (a .pt2 asserts its ranges, ONNX and TorchScript have none).
 
     `compare` replaces `compare_outputs` (reduced-precision artifacts are judged differently);
     counters it returns (`top1_same`, `top1_rows`) are summed over samples, and `finish`
@@ -129,8 +115,6 @@ def verify_artifacts(
                     for key in ("top1_same", "top1_rows"):
                         if key in m:
                             record[key] = record.get(key, 0) + m[key]
-                if outside:
-                    record["outside_range"] = {label: _try(runner, args) for label, args in outside}
         except Exception as exc:
             record.update(passed=False, error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
         if finish:
