@@ -238,3 +238,34 @@ def test_conv_subclass_with_own_forward_is_not_fused():
     assert not result.changed
     assert "ScaledConv overrides forward" in result.notes
     assert_close(result.graph_module, model, args)
+
+
+class Decoder(nn.Module):
+    """ConvTranspose{1,2,3}d → BatchNorm, grouped and not: decoders, segmentation heads, GAN generators."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up1 = nn.ConvTranspose1d(4, 6, 3, stride=2)
+        self.bn1 = nn.BatchNorm1d(6)
+        self.up2 = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2, bias=False)
+        self.bn2 = nn.BatchNorm2d(6)
+        self.up3 = nn.ConvTranspose3d(6, 9, 2, stride=2, groups=3)
+        self.bn3 = nn.BatchNorm3d(9)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
+        return self.bn1(self.up1(a)), torch.relu(self.bn2(self.up2(b))), self.bn3(self.up3(c))
+
+
+def test_transposed_convs_fold_their_batchnorm_grouped_or_not(level):
+    """Issue 21, item 1: the fold scales a transposed conv's output channels, which sit on weight dim 1
+    within each group (weight: in, out / groups, *kernel)."""
+    model = randomize_batchnorm(Decoder()).eval()
+    args = (torch.randn(2, 4, 5), torch.randn(2, 4, 5, 5), torch.randn(2, 6, 3, 3, 3))
+    result = apply("fuse_conv_bn", capture(model, args, level), level, args)
+    assert result.changed
+    assert batchnorm_left(result.graph_module) == []
+    assert_close(result.graph_module, model, args)
+    if level == "torch":
+        assert "BatchNorm2d into ConvTranspose2d" in result.notes
+    if level != "torch":  # the dynamic batch dim survives the rewrite
+        assert_close(result.graph_module, model, tuple(torch.randn(3, *a.shape[1:]) for a in args))

@@ -1,4 +1,4 @@
-"""fuse_conv_bn: fold eval-mode BatchNorm into the Conv (or Linear) that feeds it."""
+"""fuse_conv_bn: fold eval-mode BatchNorm into the Conv, ConvTranspose (or Linear) that feeds it."""
 
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ from fxport.workers.engine.passes.graph_attrs import (
 
 aten = torch.ops.aten
 
-_CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 # A subclass that overrides forward (a weight-standardized or fake-quantized conv, say) does
 # something else with its weight than the fold assumes, so only these forwards qualify.
 _PLAIN_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward, nn.Linear.forward,
+                   nn.ConvTranspose1d.forward, nn.ConvTranspose2d.forward, nn.ConvTranspose3d.forward,
                    nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
 
 # Eval batch norm as torch.export emits it. In torch 2.13 `export` keeps
@@ -51,7 +52,9 @@ _CONV_OPS = {
     aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
     aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
     aten.convolution.default, aten._convolution.default,
+    aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input,
 }
+_CONV_TRANSPOSE_OPS = {aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input}
 _PERMUTE_OPS = {aten.permute.default, aten.t.default}
 
 
@@ -127,7 +130,9 @@ class _Fuser:
             return self._leave(bn_kind, f"it has {bn.num_features} features, its input {features}")
         if any(n.op == "get_attr" and n.target.startswith(src.target + ".") for n in self.gm.graph.nodes):
             return self._leave(bn_kind, f"the {type(producer).__name__} parameters are also read elsewhere")
-        weight, bias = _fold(producer.weight, producer.bias, bn, out_axis=0)
+        transposed = isinstance(producer, nn.modules.conv._ConvTransposeNd)
+        weight, bias = _fold(producer.weight, producer.bias, bn, out_axis=0,
+                             transposed_groups=producer.groups if transposed else None)
         fused = copy.deepcopy(producer)
         fused.weight = nn.Parameter(weight, requires_grad=False)
         fused.bias = nn.Parameter(bias, requires_grad=False)
@@ -169,7 +174,7 @@ class _Fuser:
         if len(src.users) != 1:
             return self._leave(bn_kind, f"the {_module_kind(src, str(src.target))} output has {len(src.users)} users")
 
-        weight_node, bias_node, weight_axis, weight_arg = plan
+        weight_node, bias_node, weight_axis, weight_arg, transposed_groups = plan
         gm = self.gm
         bn_t = _BnTensors(
             weight=fetch_attr(gm, bn_args["weight"].target) if bn_args["weight"] is not None else None,
@@ -180,7 +185,7 @@ class _Fuser:
         )
         w = fetch_attr(gm, weight_node.target)
         b = fetch_attr(gm, bias_node.target) if bias_node is not None else None
-        new_w, new_b = _fold(w, b, bn_t, out_axis=weight_axis)
+        new_w, new_b = _fold(w, b, bn_t, out_axis=weight_axis, transposed_groups=transposed_groups)
 
         uses = get_attr_users(gm)
         w_user = weight_arg[1] if weight_arg[0] == "permute" else src
@@ -212,8 +217,10 @@ class _Fuser:
 
     def _plan_conv(self, conv: Node, bn_kind: str):
         args = bind_op_args(conv)
-        if args.get("transposed", False):
-            return self._leave(bn_kind, "it follows a transposed convolution")
+        transposed = bool(args.get("transposed", False)) or conv.target in _CONV_TRANSPOSE_OPS
+        groups = args.get("groups", 1)
+        if transposed and not isinstance(groups, int):
+            return self._leave(bn_kind, "the transposed conv's groups is computed in the graph")
         weight, bias = args["weight"], args["bias"]
         if not (isinstance(weight, Node) and weight.op == "get_attr"):
             return self._leave(bn_kind, "the conv weight is computed in the graph, not an attribute")
@@ -222,7 +229,7 @@ class _Fuser:
         rank, w_rank = node_rank(conv), fetch_attr(self.gm, weight.target).dim()
         if rank is not None and rank != w_rank:
             return self._leave(bn_kind, f"the conv output has {rank} dims (unbatched?)")
-        return weight, bias, 0, ("arg", "weight")
+        return weight, bias, 0, ("arg", "weight"), groups if transposed else None
 
     def _plan_linear(self, lin: Node, bn_kind: str):
         kind = _module_kind(lin, _op_name(lin))
@@ -253,7 +260,7 @@ class _Fuser:
                 return self._leave(bn_kind, f"the {kind} bias is computed in the graph, not an attribute")
             if fetch_attr(self.gm, bias.target).dim() != 1:
                 return self._leave(bn_kind, f"the {kind} bias is not a per-feature vector")
-        return weight, bias, axis, where
+        return weight, bias, axis, where, None
 
     def _bind(
         self, old: Node | None, value: torch.Tensor, uses: dict[int, int], *, fallback_owner: str, before: Node
@@ -321,11 +328,20 @@ class _BnTensors:
     eps: float
 
 
-def _fold(weight: torch.Tensor, bias: torch.Tensor | None, bn, out_axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fold(weight: torch.Tensor, bias: torch.Tensor | None, bn, out_axis: int,
+          transposed_groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights of `bn(layer(x))` as one layer: W·s along the output axis, (b − mean)·s + β.
 
+    A transposed conv's weight is (in, out / groups, *kernel): output channel g·(out/groups) + j
+    is column j of group g's rows, so `transposed_groups` scales it group by group on dim 1.
     Computed in float64 and cast back, so the fold adds no rounding beyond the final cast.
     """
+    if transposed_groups is not None:
+        g = transposed_groups
+        rows, per_group, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+        grouped = weight.reshape(g, rows // g, per_group, *kernel).transpose(0, 1)  # (in/g, g, out/g, *k)
+        new_w, new_b = _fold(grouped.reshape(rows // g, g * per_group, *kernel), bias, bn, out_axis=1)
+        return new_w.reshape(rows // g, g, per_group, *kernel).transpose(0, 1).reshape(weight.shape), new_b
     dt = torch.float64
     mean, var = bn.running_mean.detach().to(dt), bn.running_var.detach().to(dt)
     gamma = bn.weight.detach().to(dt) if bn.weight is not None else torch.ones_like(mean)
