@@ -35,16 +35,26 @@ class Channel:
             view = view[os.write(self.write_fd, view):]
 
     def flood(self, data: bytes) -> None:
-        """`send` from a thread, until the channel is closed under it (the child killed)."""
+        """`send` from a thread until the reading end is closed under it (the child killed). Through a
+        descriptor of its own: once close() has closed write_fd its number is reused (by the next
+        test's channel), and a write still blocked here must not go on into that."""
+        fd = os.dup(self.write_fd)
         try:
-            self.send(data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         except OSError:
             pass
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
+        if self.read_fd < 0:
+            return
         self.pump.stop()
         os.close(self.write_fd)
-        os.close(self.read_fd)
+        os.close(self.read_fd)  # the last reader: a flood blocked on a full pipe gets EPIPE and ends
+        self.read_fd = self.write_fd = -1
 
 
 @pytest.fixture()
@@ -77,6 +87,9 @@ def test_an_oversized_line_is_a_violation_without_reading_it_all(channel):
     assert channel.pump.violated.wait(30)
     assert channel.pump.violation == f"an event line over {MAX_EVENT_BYTES} bytes"
     assert len(channel.pump._buffer) <= MAX_EVENT_BYTES
+    channel.close()  # as the worker does: the blocked writer gets EPIPE, and ends before the next test
+    writer.join(30)
+    assert not writer.is_alive()
 
 
 def test_a_first_line_that_is_no_report_counts_as_none(channel):
