@@ -361,11 +361,6 @@ class JobStore(ABC):
     def close(self) -> None:
         pass
 
-    def append_event(self, job_id: str, *, message: str) -> JobEvent | None:
-        """A message-only event (e.g. a warning) on a job that is still running."""
-        rec, changed = self.transition(job_id, message=message)
-        return event_for(rec, rec.last_seq) if rec is not None and changed else None
-
     def list(
         self,
         tenant: str,

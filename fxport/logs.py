@@ -27,10 +27,6 @@ def job_context(job_id: str | None) -> Iterator[None]:
         _job_id.reset(token)
 
 
-def current_job_id() -> str | None:
-    return _job_id.get()
-
-
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {

@@ -16,7 +16,6 @@ neither resurrect a cancelled job nor overwrite a result.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import socket
@@ -33,6 +32,7 @@ from fxport.config import Settings
 from fxport.errors import FxportError, InvalidInput, JobCancelled
 from fxport.jobs import ArtifactRecord, InputRef, JobErrorInfo, JobRecord, JobState, JobStore
 from fxport.logs import job_context
+from fxport.manifest import Manifest
 from fxport.metrics import job_running
 from fxport.spec import JobSpec, parse_spec
 from fxport.toolchain import local_toolchain
@@ -486,7 +486,7 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
         tmp = Path(tmp_str)
         out_dir = tmp / "out"
         out_dir.mkdir()
-        cpu_manifest: dict[str, Any] | None = None
+        cpu_manifest: Manifest | None = None
         try:
             from fxport.workers.engine.tensorrt.timing_cache import fetch_shared_cache, publish_shared_cache
             from fxport.workers.sandbox import beneath
@@ -517,12 +517,14 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
                 timing_cache_path=cache.path if cache is not None else None,
                 work_parent=tmp,
             )
+            stage = Manifest.model_validate(trt_manifest)
             if cache is not None:  # written back under the same key, if the build added timings
-                trt_manifest.setdefault("tensorrt", {})["shared_timing_cache"] = publish_shared_cache(ctx.artifacts, cache)
-                trt_manifest.setdefault("warnings", []).extend(cache.warnings)
-            merged = _merge_manifests(cpu_manifest, trt_manifest)
+                stage.tensorrt = {**(stage.tensorrt or {}),
+                                  "shared_timing_cache": publish_shared_cache(ctx.artifacts, cache)}
+                stage.warnings.extend(cache.warnings)
+            merged = cpu_manifest.merge_stage(stage, name="tensorrt") if cpu_manifest is not None else stage
             with beneath.opened_dir(out_dir) as out_fd:
-                beneath.replace_file(out_fd, "manifest.json", json.dumps(merged, indent=2, default=str).encode())
+                beneath.replace_file(out_fd, "manifest.json", merged.to_json().encode())
             _rewrite_report(out_dir / "manifest.json")
             new = {a.name: a for a in upload_outputs(ctx, rec, out_dir, trt_manifest)}
         except StorageError as exc:
@@ -534,7 +536,7 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
             return _failure_from(ctx, rec, exc, "tensorrt", out_dir)
     artifacts = list({**earlier, **new}.values())
     # The CPU part's versions are the CPU stage's, as its manifest records them.
-    cached = _remember(ctx, rec, artifacts, (cpu_manifest or {}).get("toolchain"))
+    cached = _remember(ctx, rec, artifacts, cpu_manifest.toolchain if cpu_manifest is not None else None)
     rec, changed = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
     if not changed:
         forget_job_result(ctx.artifacts, cached)
@@ -549,7 +551,7 @@ def _news(said: set[str], message: str) -> bool:
     return True
 
 
-def _merge_failed_manifest(cpu_manifest: dict[str, Any] | None, path: Path) -> None:
+def _merge_failed_manifest(cpu_manifest: Manifest | None, path: Path) -> None:
     """A failed tensorrt stage publishes the CPU stage's manifest plus the stage's findings and error,
     not the stage's manifest alone (which would hide everything the CPU stage recorded)."""
     from fxport.workers.sandbox import MAX_MANIFEST_BYTES, beneath
@@ -558,10 +560,10 @@ def _merge_failed_manifest(cpu_manifest: dict[str, Any] | None, path: Path) -> N
         return
     try:
         with beneath.opened_dir(path.parent) as out_fd:  # the sandbox wrote that folder: no links followed
-            failed = json.loads(beneath.read_bounded(out_fd, path.name, MAX_MANIFEST_BYTES, path.name))
-            merged = _merge_manifests(cpu_manifest, failed)
-            merged.update(status="failed", error=failed.get("error"))
-            beneath.replace_file(out_fd, path.name, json.dumps(merged, indent=2, default=str).encode())
+            failed = Manifest.from_json(beneath.read_bounded(out_fd, path.name, MAX_MANIFEST_BYTES, path.name))
+            failed.status = "failed"
+            merged = cpu_manifest.merge_stage(failed, name="tensorrt")
+            beneath.replace_file(out_fd, path.name, merged.to_json().encode())
         _rewrite_report(path)
     except Exception as exc:
         log.warning("could not merge the failed stage's manifest: %s", exc)
@@ -574,47 +576,17 @@ def _rewrite_report(manifest_path: Path) -> None:
     draw_report(manifest_path.parent)
 
 
-def _stored_manifest(ctx: WorkerContext, art: ArtifactRecord | None, path: Path) -> dict[str, Any] | None:
+def _stored_manifest(ctx: WorkerContext, art: ArtifactRecord | None, path: Path) -> Manifest | None:
     if art is None:
         return None
     ctx.artifacts.get(art.key, path)
-    return json.loads(path.read_text())
+    return Manifest.read(path)
 
 
-def _with_cpu_signature(spec: JobSpec, cpu_manifest: dict[str, Any] | None) -> JobSpec:
+def _with_cpu_signature(spec: JobSpec, cpu_manifest: Manifest | None) -> JobSpec:
     """A spec without inputs (a .pt2 carries its own) gets the signature the CPU stage resolved:
     the GPU stage has only the ONNX model, which records no dynamic-dim ranges."""
-    sig = (cpu_manifest or {}).get("inputs")
+    sig = cpu_manifest.inputs if cpu_manifest is not None else None
     if spec.inputs or not sig:
         return spec
     return parse_spec({**spec.normalized(), "inputs": sig["inputs"], "dynamic_dims": sig["dynamic_dims"]})
-
-
-def _merge_manifests(cpu: dict[str, Any] | None, trt: dict[str, Any]) -> dict[str, Any]:
-    """The CPU stage's manifest plus the TensorRT stage's artifacts, verification, engine
-    metadata, benchmark rows, warnings and timings."""
-    if cpu is None:
-        return trt
-    from fxport.benchmark import merge
-
-    merged = cpu
-    if cpu.get("benchmark") or trt.get("benchmark"):
-        merged["benchmark"] = merge(cpu.get("benchmark"), trt.get("benchmark"))
-    merged.setdefault("artifacts", []).extend(trt.get("artifacts", []))
-    merged.setdefault("verification", []).extend(trt.get("verification", []))
-    merged.setdefault("toolchain", {}).update({k: v for k, v in trt.get("toolchain", {}).items() if v})
-    merged.setdefault("timings_s", {})["tensorrt"] = sum(trt.get("timings_s", {}).values())
-    merged.setdefault("tensorrt", {}).update(trt.get("tensorrt", {}))
-    merged.setdefault("warnings", []).extend(w for w in trt.get("warnings", []) if w not in merged["warnings"])
-    return merged
-
-
-def wait_for_terminal(jobs: JobStore, job_id: str, timeout: float) -> JobRecord | None:
-    """Block until the job is terminal (or timeout); for tests and benchmarks."""
-    deadline, seq = time.monotonic() + timeout, 0
-    while time.monotonic() < deadline:
-        for ev in jobs.read_events(job_id, seq, timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
-            seq = ev.seq
-            if ev.terminal:
-                return jobs.get(job_id)
-    return jobs.get(job_id)

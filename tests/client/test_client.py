@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fxport.client import Client, FxportError, IntegrityError
-from fxport.client import _safe_relative
+from fxport.client.client import _safe_relative
 from tests.fixtures.servers import free_port, start_api
 
 

@@ -321,7 +321,7 @@ def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
 
 
 def test_the_tensorrt_stage_benchmark_joins_the_cpu_stages_and_the_pick_is_made_again():
-    from fxport.workers.jobs import _merge_manifests
+    from fxport.manifest import Manifest
 
     def row(artifact: str, batch: int, p50: float) -> dict:
         return {"artifact": artifact, "batch": batch, "p50_ms": p50, "throughput_per_s": batch * 1000 / p50,
@@ -332,7 +332,9 @@ def test_the_tensorrt_stage_benchmark_joins_the_cpu_stages_and_the_pick_is_made_
                          "recommendation": {"artifact": "onnx"}, "seconds": 2.0}}
     trt = {"benchmark": {"results": [row("tensorrt", 1, 0.5)], "skipped": [],
                          "machine": {"cpu": "EPYC", "gpu": "NVIDIA H200"}, "seconds": 1.0}}
-    merged = _merge_manifests(cpu, trt)["benchmark"]
+    merged = Manifest.model_validate(cpu).merge_stage(Manifest.model_validate(trt), name="tensorrt").benchmark
+    assert merged is not None
     assert [r["artifact"] for r in merged["results"]] == ["eager", "onnx", "tensorrt"]
     assert merged["recommendation"]["artifact"] == "tensorrt" and merged["machine"]["gpu"] == "NVIDIA H200"
-    assert "benchmark" not in _merge_manifests({}, {"artifacts": []})  # neither stage benchmarked
+    neither = Manifest().merge_stage(Manifest(), name="tensorrt")  # neither stage benchmarked
+    assert "benchmark" not in neither.to_dict()

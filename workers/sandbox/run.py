@@ -22,7 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from pydantic import ValidationError
+
 from fxport import errors
+from fxport.manifest import Manifest
 from fxport.spec import JobSpec
 from fxport.workers.sandbox import beneath, launch as launcher, layers
 from fxport.workers.sandbox.confine import MAX_FILE_BYTES
@@ -138,20 +141,31 @@ def run_engine_job(
         cls = _ERROR_TYPES.get(err.get("code"), errors.ConversionFailed)
         raise cls(str(err.get("message") or "conversion failed")[:4000], stage=_str(err.get("stage")),
                   detail=_str(err.get("detail")), field=_str(err.get("field")))
-    manifest = result.get("manifest")
-    if not isinstance(manifest, dict):
-        _count_failure("invalid_output")
-        raise errors.SandboxViolation("the sandbox's result has no manifest", stage="upload")
-    manifest["sandbox"] = box  # the worker's record; whatever the child wrote there is dropped
     try:
+        manifest = _child_manifest(result.get("manifest"))
+        manifest.sandbox = box  # the worker's record; whatever the child wrote there is dropped
         _validate_outputs(manifest, out_dir)
     except errors.FxportError:
         _count_failure("invalid_output")
         raise
     with beneath.opened_dir(out_dir) as out_fd:
-        beneath.replace_file(out_fd, "manifest.json", json.dumps(manifest, indent=2, default=str).encode())
+        beneath.replace_file(out_fd, "manifest.json", manifest.to_json().encode())
     draw_report(out_dir)
-    return manifest
+    return manifest.to_dict()
+
+
+def _child_manifest(data: Any) -> Manifest:
+    """The child's manifest, read as the type every reader expects: one of another shape (a
+    string where a digest goes, an artifact without a path) is refused here, not by a reader."""
+    if not isinstance(data, dict):
+        raise errors.SandboxViolation("the sandbox's result has no manifest", stage="upload")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise errors.SandboxViolation(f"the sandbox's manifest is malformed at {where!r}: {first['msg']}"[:500],
+                                      stage="upload") from None
 
 
 def _str(value: Any) -> str | None:
@@ -353,30 +367,27 @@ def _death_error(rc: int, stage: str, memory: int, timeout: float, log_tail: str
                                         "or check the model")
 
 
-def _validate_outputs(manifest: dict[str, Any], out_dir: Path) -> None:
+def _validate_outputs(manifest: Manifest, out_dir: Path) -> None:
     """The child's files are untrusted: every file beneath out_dir must be a regular file
     (no link, FIFO or hard link anywhere), at most MAX_OUTPUT_FILES of them, and each artifact
     the manifest lists must be there with the size and sha256 it states."""
     from fxport.digest import sha256_file
 
-    arts = manifest.get("artifacts")
-    if not isinstance(arts, list) or not all(isinstance(a, dict) for a in arts):
-        raise errors.SandboxViolation("the sandbox's manifest has no valid artifact list", stage="upload")
     with beneath.opened_dir(out_dir) as out_fd:
         files = {f.name: f for f in beneath.walk_files(out_fd, strict=True, max_files=MAX_OUTPUT_FILES)}
         try:
             listed = []
-            for art in arts:
-                name = art.get("path")
-                if not isinstance(name, str) or name not in files:
+            for art in manifest.artifacts:
+                name = art.path
+                if name not in files:
                     raise errors.ConversionFailed(f"sandbox produced an invalid artifact path {name!r}", stage="upload")
                 listed.append((art, files[name]))
             # Several artifacts hashed at once (hashlib lets go of the GIL): this is on every job's critical path.
             with ThreadPoolExecutor(max_workers=max(1, min(4, len(listed)))) as pool:
                 digests = list(pool.map(lambda pair: sha256_file(pair[1].path), listed))
             for (art, f), (digest, size) in zip(listed, digests):
-                if size != art.get("bytes") or digest != art.get("sha256"):
-                    raise errors.ConversionFailed(f"artifact {art.get('path')!r} does not match its recorded digest",
+                if size != art.bytes or digest != art.sha256:
+                    raise errors.ConversionFailed(f"artifact {art.path!r} does not match its recorded digest",
                                                   stage="upload")
         finally:
             for f in files.values():

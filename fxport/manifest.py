@@ -1,0 +1,198 @@
+"""manifest.json as a type: what a conversion produced, how it was checked, and with what.
+
+One model for every writer and reader: the engine builds it, the sandbox's parent re-reads the
+child's copy through it (so a child cannot hand the worker a manifest of the wrong shape), the
+TensorRT stage's part merges into the CPU stage's by field (`Manifest.merge_stage`), and the
+client, the report and the CLI read it back.
+
+Compatibility rules (the schema is versioned, `schema_version`):
+- fields are added, never renamed or retyped; a reader of an older manifest gets the defaults;
+- every model keeps unknown keys (`extra="allow"`), so a manifest written by a newer fxport loads
+  in an older one and is written back unchanged;
+- `tests/test_manifest.py` keeps manifests written by earlier versions loading.
+
+The stage records that are open-ended by nature (per-pass notes, the quantization report, the
+benchmark table, the sandbox's layers) are typed at the top level and left as mappings below it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 2  # 1: every manifest before the field existed (no `schema_version` key)
+
+Status = Literal["running", "succeeded", "failed"]
+
+
+class _Record(BaseModel):
+    """A manifest section: unknown keys kept, defaults filled, assignment checked."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+
+class InputRecord(_Record):
+    format: str | None = None  # "pt2", "torch_package", "onnx", ...
+    sha256: str | None = None
+    bytes: int | None = None
+
+
+class CaptureRecord(_Record):
+    method: str | None = None  # "fx" | "export" | "eager" | "archive"
+    level: str | None = None  # "torch" | "aten"
+    attempts: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class PassRecord(_Record):
+    name: str
+    applied: bool = False
+    changed: bool = False
+    notes: str = ""
+    seconds: float | None = None
+
+
+class ArtifactRecord(_Record):
+    format: str
+    path: str
+    bytes: int
+    sha256: str
+    int8_scheme: str | None = None
+
+
+class OutputCheck(_Record):
+    """One output of one artifact against the original."""
+
+    output: int | str
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    cosine: float | None = None
+    passed: bool = False
+
+
+class VerificationRecord(_Record):
+    format: str
+    runtime: str | None = None
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    cosine: float | None = None
+    passed: bool = False
+    # one shape per point, or with several inputs one list of shapes per point
+    shapes_checked: list[list[int] | list[list[int]]] = Field(default_factory=list)
+    samples: int | None = None
+    outputs: list[OutputCheck] = Field(default_factory=list)
+
+
+class ErrorRecord(_Record):
+    """FxportError.to_dict(): what failed, where, and what to do."""
+
+    stage: str | None = None
+    code: str | None = None
+    message: str = ""
+    detail: str | None = None
+    field: str | None = None
+
+
+class Manifest(_Record):
+    schema_version: int = 1  # absent in manifests written before versioning
+    fxport_version: str | None = None
+    job_id: str | None = None
+    toolchain: dict[str, Any] = Field(default_factory=dict)
+    input: InputRecord = Field(default_factory=InputRecord)
+    spec: dict[str, Any] = Field(default_factory=dict)
+    capture: CaptureRecord | None = None
+    passes: list[PassRecord] = Field(default_factory=list)
+    artifacts: list[ArtifactRecord] = Field(default_factory=list)
+    verification: list[VerificationRecord] = Field(default_factory=list)
+    profile: dict[str, Any] | None = None
+    warnings: list[str] = Field(default_factory=list)
+    timings_s: dict[str, float] = Field(default_factory=dict)
+    status: Status = "running"
+    error: ErrorRecord | None = None
+    inputs: dict[str, Any] | None = None  # the input signature (names, shapes, dynamic dims)
+    outputs: list[dict[str, Any]] | None = None
+    graph_before: dict[str, Any] | None = None
+    graph_after: dict[str, Any] | None = None
+    quantization: dict[str, Any] | None = None
+    benchmark: dict[str, Any] | None = None
+    tensorrt: dict[str, Any] | None = None
+    sandbox: dict[str, Any] | None = None
+
+    # -- reading and writing --------------------------------------------------------------
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest:
+        return cls.from_json(path.read_bytes())
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Manifest:
+        return cls.model_validate_json(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest as JSON data: the fields that were set or differ from their default, then
+        unknown keys. A field nobody wrote is left out rather than written as its default, so a
+        manifest read and written back is the manifest that was read, whatever version wrote it."""
+        return _written(self, self.model_dump(mode="json"))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.to_json())
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def artifact(self, fmt: str) -> ArtifactRecord | None:
+        return next((a for a in self.artifacts if a.format == fmt), None)
+
+    def digests(self) -> dict[str, str]:
+        """Artifact path -> sha256, as the engine recorded them while writing."""
+        return {a.path: a.sha256 for a in self.artifacts}
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    # -- merging a later stage's part --------------------------------------------------------
+
+    def merge_stage(self, stage: Manifest, *, name: str) -> Manifest:
+        """This (the CPU stage's) manifest with a later stage's part added: its artifacts,
+        verifications, new warnings, toolchain versions it knows, its section (`tensorrt`), its
+        benchmark rows, and its total time under `timings_s[name]`. The CPU stage's record of
+        input, capture, passes and spec is kept: the later stage did not redo them."""
+        from fxport.benchmark import merge as merge_benchmarks
+
+        merged = self.model_copy(deep=True)
+        merged.artifacts.extend(stage.artifacts)
+        merged.verification.extend(stage.verification)
+        merged.toolchain.update({k: v for k, v in stage.toolchain.items() if v})
+        merged.timings_s[name] = sum(stage.timings_s.values())
+        if stage.tensorrt:
+            merged.tensorrt = {**(merged.tensorrt or {}), **stage.tensorrt}
+        if merged.benchmark or stage.benchmark:
+            merged.benchmark = merge_benchmarks(merged.benchmark, stage.benchmark)
+        for warning in stage.warnings:
+            merged.warn(warning)
+        if stage.status == "failed":
+            merged.status, merged.error = "failed", stage.error
+        return merged
+
+
+def _written(model: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (model's dump) without the fields of `model`, at any depth, that were never set and
+    still hold their default."""
+    fields = type(model).model_fields
+    out: dict[str, Any] = {}
+    for key, dumped in data.items():
+        if key in fields:
+            value = getattr(model, key)
+            if key not in model.model_fields_set and value == fields[key].get_default(call_default_factory=True):
+                continue
+            if isinstance(value, BaseModel):
+                dumped = _written(value, dumped)
+            elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+                dumped = [_written(item, d) for item, d in zip(value, dumped)]
+        out[key] = dumped
+    return out
