@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -149,8 +150,9 @@ def test_linear_whose_output_is_not_2d_is_not_fused(level):
     args = (torch.randn(2, 6, 6),)
     result = apply("fuse_conv_bn", capture(model, args, level), level, args)
     assert not result.changed
-    # decomposed, the 3-D linear is view → mm → view, so BN's input is not a Linear at all
-    assert "output is not 2-D" in result.notes or "input is not a Conv/Linear (view)" in result.notes
+    # decomposed, the 3-D linear is view → mm → view: BN looks through the view, and sees the
+    # Linear's features on dim 2, not on the dim it normalizes
+    assert "output is not 2-D" in result.notes or "output channels land on dim 2" in result.notes
     assert_close(result.graph_module, model, args)
 
 
@@ -189,24 +191,34 @@ def test_no_batchnorm_is_unchanged(level):
 
 
 class FunctionalBn(nn.Module):
-    def __init__(self) -> None:
+    """Conv → F.batch_norm over root buffers; `training=True` makes it normalize with batch statistics."""
+
+    def __init__(self, training: bool = False) -> None:
         super().__init__()
+        self.training_flag = training
         self.conv = nn.Conv2d(3, 3, 1)
-        self.register_buffer("mean", torch.zeros(3))
-        self.register_buffer("var", torch.ones(3))
+        self.register_buffer("mean", torch.rand(3) - 0.5)
+        self.register_buffer("var", torch.rand(3) + 0.5)
 
     def forward(self, x):
-        return torch.nn.functional.batch_norm(self.conv(x), self.mean, self.var)
+        return torch.nn.functional.batch_norm(self.conv(x), self.mean, self.var, training=self.training_flag)
 
 
-def test_functional_batchnorm_at_torch_level_is_reported_not_silently_skipped():
+def test_functional_batchnorm_is_folded_at_every_level(level):
     model = FunctionalBn().eval()
+    args = (torch.randn(2, 3, 4, 4),)
+    result = apply("fuse_conv_bn", capture(model, args, level), level, args)
+    assert result.changed
+    assert batchnorm_left(result.graph_module) == []
+    assert_close(result.graph_module, model, args)
+
+
+def test_functional_batchnorm_with_batch_statistics_is_left_and_noted():
+    model = FunctionalBn(training=True).eval()
     args = (torch.randn(2, 3, 4, 4),)
     result = apply("fuse_conv_bn", capture(model, args, "torch"), "torch", args)
     assert not result.changed
-    assert "F.batch_norm" in result.notes
-    result = apply("fuse_conv_bn", capture(model, args, "aten"), "aten", args)  # export makes it aten
-    assert result.changed
+    assert "left 1 F.batch_norm: it normalizes with batch statistics (training=True)" in result.notes
     assert_close(result.graph_module, model, args)
 
 
@@ -269,3 +281,370 @@ def test_transposed_convs_fold_their_batchnorm_grouped_or_not(level):
         assert "BatchNorm2d into ConvTranspose2d" in result.notes
     if level != "torch":  # the dynamic batch dim survives the rewrite
         assert_close(result.graph_module, model, tuple(torch.randn(3, *a.shape[1:]) for a in args))
+
+
+# -- issue 21 item 2: a BatchNorm behind shape ops ------------------------------------------
+
+
+class FlattenedTokens(nn.Module):
+    """Linear over (N, L, C) tokens → flatten(0, 1) → BatchNorm1d over N·L rows → back to (N, L, C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return self.bn(torch.flatten(y, 0, 1)).reshape(y.shape)  # y.shape reads only the shape
+
+
+def test_linear_flatten_batchnorm_reshape_folds_through_the_flatten(level):
+    model = randomize_batchnorm(FlattenedTokens()).eval()
+    args = (torch.randn(2, 5, 4),)
+    result = apply("fuse_conv_bn", capture(model, args, level), level, args)
+    assert result.changed
+    assert batchnorm_left(result.graph_module) == []
+    # the decomposed graph spells the linear view → addmm → view and the flatten as a view
+    through = "view" if level == "aten_decomposed" else "flatten"
+    assert result.notes == f"folded 1 BatchNorm1d into Linear through {through} (bn into fc)"
+    assert_close(result.graph_module, model, args)
+    if level != "torch":  # the dynamic batch dim survives the rewrite
+        assert_close(result.graph_module, model, (torch.randn(7, 5, 4),))
+
+
+class TransposedTokens(nn.Module):
+    """FlattenedTokens over a transposed (not contiguous) input: decomposed, the Linear becomes
+    bmm(x, expand(wᵀ)) → view → add(bias), so the fold has to find the bmm behind the bias add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):  # x: (N, 4, L)
+        y = self.fc(x.transpose(1, 2))
+        return self.bn(y.flatten(0, 1)).reshape_as(y)
+
+
+def test_linear_over_a_transposed_input_folds_at_every_level(level):
+    model = randomize_batchnorm(TransposedTokens()).eval()
+    args = (torch.randn(2, 4, 5),)
+    result = apply("fuse_conv_bn", capture(model, args, level), level, args)
+    assert result.changed
+    assert batchnorm_left(result.graph_module) == []
+    assert result.notes.endswith("(bn into fc)")
+    assert_close(result.graph_module, model, args)
+    if level != "torch":
+        assert_close(result.graph_module, model, (torch.randn(6, 4, 5),))
+
+
+class ChannelsMoved(nn.Module):
+    """The conv output permuted so BatchNorm2d normalizes its height (as tall as it has channels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 6, 1), nn.BatchNorm2d(6)
+
+    def forward(self, x):  # x: (N, 4, 6, 5)
+        return self.bn(self.conv(x).permute(0, 2, 1, 3))
+
+
+def test_permute_that_moves_the_channels_is_not_folded(level):
+    """Sizes match (6 channels, height 6), so only the axis mapping tells this fold would be wrong."""
+    model = randomize_batchnorm(ChannelsMoved()).eval()
+    args = (torch.randn(2, 4, 6, 5),)
+    result = apply("fuse_conv_bn", capture(model, args, level), level, args)
+    assert not result.changed
+    assert result.notes == ("left 1 BatchNorm2d: through permute the Conv2d's output channels land on dim 2, "
+                            "but BatchNorm normalizes dim 1 (bn)")
+    assert_close(result.graph_module, model, args)
+
+
+class ChannelsMovedBack(nn.Module):
+    """Shape ops that keep channels where BatchNorm normalizes: token features transposed onto dim 1,
+    and a conv's channels permuted last and its pixels flattened into rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn_tokens = nn.Linear(4, 6), nn.BatchNorm1d(6)
+        self.conv, self.bn_pixels = nn.Conv2d(3, 5, 1), nn.BatchNorm1d(5)
+
+    def forward(self, tokens, image):  # tokens: (N, L, 4), image: (N, 3, H, W)
+        a = self.bn_tokens(self.fc(tokens).transpose(1, 2))
+        b = self.bn_pixels(self.conv(image).permute(0, 2, 3, 1).reshape(-1, 5))
+        return a, b
+
+
+def test_transpose_and_permute_reshape_that_keep_the_channels_fold(level):
+    model = randomize_batchnorm(ChannelsMovedBack()).eval()
+    args = (torch.randn(2, 7, 4), torch.randn(2, 3, 4, 4))
+    result = apply("fuse_conv_bn", capture(model, args, level), level, args)
+    assert result.changed
+    assert batchnorm_left(result.graph_module) == []
+    assert "(bn_tokens into fc)" in result.notes and "(bn_pixels into conv)" in result.notes
+    if level == "torch":
+        assert "1 BatchNorm1d into Conv2d through permute+reshape" in result.notes
+    assert_close(result.graph_module, model, args)
+    if level != "torch":
+        assert_close(result.graph_module, model, (torch.randn(3, 7, 4), torch.randn(3, 3, 4, 4)))
+
+
+class ReshapedByShape(nn.Module):
+    """view(-1, 8, 4) keeps a (N, 8, 2, 2) conv output's channels on dim 1 only because H·W = 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 1), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x).view(-1, 8, 4))
+
+
+def test_reshape_proven_only_by_export_shapes(level):
+    """A torch-level graph has only the example's sizes: at 4×4 pixels this view would still run but
+    mix channels, so it is left. Export fixes H and W, which proves the fold for every input it takes."""
+    model = randomize_batchnorm(ReshapedByShape()).eval()
+    args = (torch.randn(2, 3, 2, 2),)
+    result = apply("fuse_conv_bn", capture(model, args, level), level, args)
+    if level == "torch":
+        assert not result.changed
+        assert "the view after the Conv2d moves the channels by shape" in result.notes
+        assert "capture with export" in result.notes
+    else:
+        assert result.changed and batchnorm_left(result.graph_module) == []
+    assert_close(result.graph_module, model, args)
+
+
+class FlattenAlsoReturned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        rows = self.fc(x).flatten(0, 1)
+        return self.bn(rows), rows
+
+
+def test_shape_op_read_elsewhere_is_not_folded_through(level):
+    model = randomize_batchnorm(FlattenAlsoReturned()).eval()
+    args = (torch.randn(2, 5, 4),)
+    result = apply("fuse_conv_bn", capture(model, args, level), level, args)
+    assert not result.changed
+    through = "view" if level == "aten_decomposed" else "flatten"
+    assert f"the {through} output has 2 users" in result.notes
+    assert_close(result.graph_module, model, args)
+
+
+class LinearNorm(nn.Module):
+    """timm LeViT's LinearNorm: a Linear over (N, L, C) tokens, BatchNorm1d over the N·L rows."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features, bias=False)
+        self.bn = nn.BatchNorm1d(out_features)
+
+    def forward(self, x):
+        x = self.linear(x)
+        return self.bn(x.flatten(0, 1)).reshape_as(x)
+
+
+class ConvNorm(nn.Module):
+    """timm LeViT's ConvNorm (Conv2d_BN): a stride-2 stem conv and its BatchNorm2d."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.linear = nn.Conv2d(in_channels, out_channels, 3, stride=2, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(out_channels)
+
+    def forward(self, x):
+        return self.bn(self.linear(x))
+
+
+class LeViTAttention(nn.Module):
+    """LeViT attention with fx-friendly shapes (unflatten for timm's view(B, N, heads, -1))."""
+
+    def __init__(self, dim: int, key_dim: int, heads: int, tokens: int, attn_ratio: int = 2) -> None:
+        super().__init__()
+        self.heads, self.key_dim, self.val_dim = heads, key_dim, attn_ratio * key_dim
+        self.scale = key_dim ** -0.5
+        self.qkv = LinearNorm(dim, heads * (2 * key_dim + self.val_dim))
+        self.proj = nn.Sequential(nn.Hardswish(), LinearNorm(heads * self.val_dim, dim))
+        self.attention_biases = nn.Parameter(torch.randn(heads, tokens, tokens) * 0.1)
+
+    def forward(self, x):
+        qkv = self.qkv(x).unflatten(-1, (self.heads, -1))
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.val_dim], dim=3)
+        attn = (q.transpose(1, 2) @ k.permute(0, 2, 3, 1)) * self.scale + self.attention_biases
+        x = (attn.softmax(dim=-1) @ v.transpose(1, 2)).transpose(1, 2).flatten(2)
+        return self.proj(x)
+
+
+class LeViTMlp(nn.Module):
+    def __init__(self, dim: int, ratio: int = 2) -> None:
+        super().__init__()
+        self.ln1, self.act, self.ln2 = LinearNorm(dim, dim * ratio), nn.Hardswish(), LinearNorm(dim * ratio, dim)
+
+    def forward(self, x):
+        return self.ln2(self.act(self.ln1(x)))
+
+
+class LeViTBlock(nn.Module):
+    def __init__(self, dim: int, key_dim: int, heads: int, tokens: int) -> None:
+        super().__init__()
+        self.attn, self.mlp = LeViTAttention(dim, key_dim, heads, tokens), LeViTMlp(dim)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class LeViTStyle(nn.Module):
+    """A LeViT (timm levit_128s-like): ConvNorm stem to tokens, then attention + MLP blocks whose every
+    Linear is a LinearNorm — 3 BatchNorm2d after convs and 4 BatchNorm1d behind a flatten per block."""
+
+    def __init__(self, img: int = 32, dim: int = 32, depth: int = 2, heads: int = 2, key_dim: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(ConvNorm(3, dim // 4), nn.Hardswish(), ConvNorm(dim // 4, dim // 2),
+                                  nn.Hardswish(), ConvNorm(dim // 2, dim))
+        tokens = (img // 8) ** 2
+        self.blocks = nn.Sequential(*(LeViTBlock(dim, key_dim, heads, tokens) for _ in range(depth)))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        x = self.stem(x).flatten(2).transpose(1, 2)
+        return self.head(self.blocks(x).mean(1))
+
+
+def test_levit_style_model_has_no_batchnorm_left(level):
+    model = randomize_batchnorm(LeViTStyle()).eval()
+    args = (torch.randn(2, 3, 32, 32),)
+    gm = capture(model, args, level)
+    assert len(batchnorm_left(gm)) == 11
+    result = apply("fuse_conv_bn", gm, level, args)
+    assert batchnorm_left(result.graph_module) == []
+    through = "view" if level == "aten_decomposed" else "flatten"
+    assert result.notes == (
+        f"folded 3 BatchNorm2d into Conv2d; 8 BatchNorm1d into Linear through {through} "
+        "(blocks.0.attn.qkv.bn into blocks.0.attn.qkv.linear, "
+        "blocks.0.attn.proj.1.bn into blocks.0.attn.proj.1.linear, "
+        "blocks.0.mlp.ln1.bn into blocks.0.mlp.ln1.linear, +5 more)")
+    assert_close(result.graph_module, model, args)
+    if level != "torch":
+        assert_close(result.graph_module, model, (torch.randn(5, 3, 32, 32),))
+
+
+def test_look_through_off_leaves_the_batchnorms_behind_a_flatten():
+    """The switch bench/bench_fold_bn.py measures "before" with: only plain Conv → BN folds."""
+    from fxport.spec import FuseConvBnOptions
+    from fxport.workers.engine.passes.fuse_conv_bn import fuse_conv_bn
+    from tests.workers.passes.conftest import context
+
+    model = randomize_batchnorm(LeViTStyle()).eval()
+    args = (torch.randn(2, 3, 32, 32),)
+    with torch.no_grad():
+        result = fuse_conv_bn(capture(model, args, "torch"), FuseConvBnOptions(), context("torch", args),
+                              look_through=False)
+    assert len(batchnorm_left(result.graph_module)) == 8
+    assert "Left 8 BatchNorm1d: its input is not a Conv/Linear (call_method flatten)" in result.notes
+    assert_close(result.graph_module, model, args)
+
+
+@pytest.mark.parametrize(
+    "kind, params, axis, ranks, expected",
+    [
+        ("flatten", (0, 1), 2, (3, 2), 1),  # LeViT: (N, L, C) → (N·L, C)
+        ("flatten", (2, -1), 1, (4, 3), 1),  # (N, C, H, W) → (N, C, H·W)
+        ("flatten", (1, 2), 2, (3, 2), "merges the channel dim"),
+        ("transpose", (1, 2), 2, (3, 3), 1),
+        ("permute", ((0, 2, 1, 3),), 1, (4, 4), 2),
+        ("permute", ((0, 1),), 1, (3, 3), "not a permutation"),
+        ("unsqueeze", (-1,), 1, (2, 3), 1),
+        ("unsqueeze", (0,), 1, (2, 3), 2),
+        ("squeeze", (2,), 1, (3, 2), 1),
+        ("squeeze", (0,), 1, (3, 2), "may drop a dim"),
+        ("squeeze", (None,), 1, (3, 2), "may drop a dim"),
+        ("unflatten", (0, (2, -1)), 1, (2, 3), 2),
+        ("unflatten", (1, (2, 3)), 1, (2, 3), "splits the channel dim"),
+        ("reshape", ((-1, 6),), 2, (3, 2), 1),  # channels last before and after, literal size
+        ("reshape", ((-1, 6, 4),), 1, (4, 3), "capture with export"),
+        ("reshape", (None,), 1, (2, 2), "capture with export"),  # view_as: size from another tensor
+    ],
+)
+def test_torch_level_channel_axis_rules(kind, params, axis, ranks, expected):
+    """Where each torch-level shape op puts 6 channels at `axis`, for every input shape, or why unknown."""
+    from fxport.workers.engine.passes.fuse_conv_bn import _torch_channel_axis, _Unproven
+
+    if isinstance(expected, int):
+        assert _torch_channel_axis(kind, params, axis, *ranks, channels=6) == expected
+    else:
+        with pytest.raises(_Unproven, match=expected):
+            _torch_channel_axis(kind, params, axis, *ranks, channels=6)
+
+
+# -- issue 23 item 3: timm's BatchNormAct2d, functional batch norm at torch level -----------
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's BatchNormAct2d as written there: F.batch_norm with its own tensors, then an activation.
+    Not a torch.nn class, so symbolic_trace goes inside and records call_function F.batch_norm."""
+
+    def __init__(self, num_features: int, act: bool = True) -> None:
+        super().__init__(num_features)
+        self.drop = nn.Identity()
+        self.act = nn.ReLU6() if act else nn.Identity()
+
+    def forward(self, x):
+        torch._assert(x.ndim == 4, f"expected 4D input (got {x.ndim}D input)")  # reads only the shape
+        exponential_average_factor = 0.0 if self.momentum is None else self.momentum
+        bn_training = True if self.training else (self.running_mean is None) and (self.running_var is None)
+        x = torch.nn.functional.batch_norm(
+            x,
+            self.running_mean if not self.training or self.track_running_stats else None,
+            self.running_var if not self.training or self.track_running_stats else None,
+            self.weight, self.bias, bn_training, exponential_average_factor, self.eps,
+        )
+        return self.act(self.drop(x))
+
+
+class InvertedResidual(nn.Module):
+    """efficientnet-lite's block: 1x1 expand, 3x3 depthwise, 1x1 project, each conv with a BatchNormAct2d."""
+
+    def __init__(self, channels: int, expand: int = 4) -> None:
+        super().__init__()
+        mid = channels * expand
+        self.conv_pw, self.bn1 = nn.Conv2d(channels, mid, 1, bias=False), BatchNormAct2d(mid)
+        self.conv_dw = nn.Conv2d(mid, mid, 3, padding=1, groups=mid, bias=False)
+        self.bn2 = BatchNormAct2d(mid)
+        self.conv_pwl, self.bn3 = nn.Conv2d(mid, channels, 1, bias=False), BatchNormAct2d(channels, act=False)
+
+    def forward(self, x):
+        return x + self.bn3(self.conv_pwl(self.bn2(self.conv_dw(self.bn1(self.conv_pw(x))))))
+
+
+class EfficientNetLiteLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_stem, self.bn1 = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), BatchNormAct2d(8)
+        self.blocks = nn.Sequential(InvertedResidual(8), InvertedResidual(8))
+        self.conv_head, self.bn2 = nn.Conv2d(8, 16, 1, bias=False), BatchNormAct2d(16)
+        self.classifier = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.bn2(self.conv_head(self.blocks(self.bn1(self.conv_stem(x)))))
+        return self.classifier(x.mean((2, 3)))
+
+
+def test_timm_batchnormact2d_folds_at_torch_level(level):
+    model = randomize_batchnorm(EfficientNetLiteLike()).eval()
+    args = (torch.randn(2, 3, 16, 16),)
+    gm = capture(model, args, level)
+    if level == "torch":
+        assert call_targets(gm).count("batch_norm") == 8  # F.batch_norm, not BatchNorm modules
+    result = apply("fuse_conv_bn", gm, level, args)
+    assert result.changed
+    assert batchnorm_left(result.graph_module) == []
+    if level == "torch":
+        assert result.notes == "folded 8 BatchNormAct2d (F.batch_norm) into Conv2d"
+        # the batch norms' tensors went with them; the user's model keeps its own
+        assert not any(".running_mean" in name for name, _ in result.graph_module.named_buffers())
+        assert model.bn1.running_mean is not None
+    assert_close(result.graph_module, model, args)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import math
 import operator
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.shape_prop import ShapeProp
 
 from fxport.spec import FuseConvBnOptions
@@ -23,6 +27,7 @@ from fxport.workers.engine.passes.graph_attrs import (
     get_attr_users,
     is_own_container,
     node_rank,
+    node_shape,
     prune_unused_attrs,
     replace_submodule,
     set_op_arg,
@@ -56,27 +61,79 @@ _CONV_OPS = {
 }
 _CONV_TRANSPOSE_OPS = {aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input}
 _PERMUTE_OPS = {aten.permute.default, aten.t.default}
+_LINEAR_OPS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.bmm.default}
+# How decomposition broadcasts a Linear's weight over a 3-D input's batch for bmm.
+_BROADCAST_OPS = {aten.expand.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+# Shape ops a BatchNorm may sit behind (issue 21): timm's LeViT runs Linear → flatten(0, 1) →
+# BatchNorm1d, token models Linear → transpose(1, 2) → BatchNorm1d. They move values without
+# changing them, so the fold holds when they carry the layer's output channels onto dim 1, the
+# dim BatchNorm normalizes — which `_aten_channel_axes` / `_torch_channel_axis` prove.
+_ATEN_SQUEEZES = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
+_ATEN_RESHAPES = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.flatten.using_ints,
+    aten.unflatten.int, aten.unsqueeze.default, aten.view_as.default, aten.reshape_as.default, *_ATEN_SQUEEZES,
+}
+_ATEN_MOVES = {aten.permute.default, aten.transpose.int, aten.t.default}
+_ATEN_IDENTITIES = {aten.clone.default, aten.contiguous.default, aten.alias.default}
+_ATEN_SHAPE_OPS = _ATEN_RESHAPES | _ATEN_MOVES | _ATEN_IDENTITIES
+# Torch level: one kind per op, whichever spelling (tensor method, torch function, module).
+_TORCH_METHOD_KINDS = {
+    "flatten": "flatten", "unflatten": "unflatten", "reshape": "reshape", "view": "reshape",
+    "view_as": "reshape", "reshape_as": "reshape", "permute": "permute", "transpose": "transpose",
+    "swapaxes": "transpose", "squeeze": "squeeze", "unsqueeze": "unsqueeze", "t": "t", "contiguous": "identity",
+}
+_TORCH_FUNCTION_KINDS = {
+    torch.flatten: "flatten", torch.unflatten: "unflatten", torch.reshape: "reshape", torch.permute: "permute",
+    torch.transpose: "transpose", torch.swapaxes: "transpose", torch.squeeze: "squeeze",
+    torch.unsqueeze: "unsqueeze", torch.t: "t",
+}
+_TORCH_DIM_PARAMS = {  # kind → (name, default) of each argument after the input
+    "flatten": (("start_dim", 0), ("end_dim", -1)),
+    "unflatten": (("dim", None), ("sizes", None)),
+    "squeeze": (("dim", None),),
+    "unsqueeze": (("dim", None),),
+    "transpose": (("dim0", None), ("dim1", None)),
+}
+# Users that read only a tensor's shape (timm's `_assert(x.ndim == 4)`, LeViT's `.reshape_as(x)`):
+# the fold changes values, never shapes, so they do not keep a layer from being fused.
+_SHAPE_ATTRS = {"shape", "ndim", "dtype", "device"}
+_SHAPE_METHODS = {"size", "dim", "numel"}
+_SHAPE_TEMPLATES = {"view_as", "reshape_as", "expand_as",
+                    aten.view_as.default, aten.reshape_as.default, aten.expand_as.default}
+_SHAPE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
+_F_BATCH_NORM_SIGNATURE = inspect.signature(F.batch_norm)
 
 
-def fuse_conv_bn(gm: GraphModule, opts: FuseConvBnOptions, ctx: PassContext) -> PassResult:
+def fuse_conv_bn(
+    gm: GraphModule, opts: FuseConvBnOptions, ctx: PassContext, *, look_through: bool = True
+) -> PassResult:
     """Conv → BatchNorm(eval) ⇒ one Conv; with `opts.linear`, Linear → BatchNorm1d ⇒ one Linear.
 
     Mutates `gm` in place: fused weights are new tensors bound on gm's own containers; the
     user's modules and tensors (which the graph shares) are never written.
 
-    Torch level: call_module Conv{1,2,3}d (or Linear) → call_module BatchNorm. Aten level:
-    aten conv / linear / addmm / mm whose weight is a get_attr → an eval batch-norm op.
+    Torch level: call_module Conv{1,2,3}d (or Linear) → call_module BatchNorm, or → the
+    `F.batch_norm(x, running_mean, running_var, weight, bias, False, …)` that timm's
+    BatchNormAct2d traces to, its tensors get_attr nodes. Aten level: aten conv / linear /
+    addmm / mm / bmm whose weight is a get_attr → an eval batch-norm op.
+    Between the layer and the batch norm may sit shape ops (view, reshape, flatten, permute,
+    transpose, [un]squeeze, …) that nothing else reads, when they provably carry the layer's
+    output channels onto the batch norm's channel dim; the notes name those ops. With
+    `look_through=False` only a batch norm right after its layer folds (the pass before
+    issue 21 item 2, which bench/bench_fold_bn.py compares against).
     A BatchNorm is left alone, and the notes say why, when its producer has other users,
-    is shared, is not a Conv/Linear, or when it uses batch statistics (training mode).
+    is shared, is not a Conv/Linear, when the shape ops move its channels elsewhere, or
+    when it uses batch statistics (training mode).
     """
-    fuser = _Fuser(gm, opts, ctx)
+    fuser = _Fuser(gm, opts, ctx, look_through=look_through)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and isinstance(_module(gm, node), nn.modules.batchnorm._BatchNorm):
             fuser.torch_level(node)
         elif node.op == "call_function" and node.target in _BN_OPS:
             fuser.aten_level(node)
         elif node.op == "call_function" and node.target is F.batch_norm:
-            fuser._leave("F.batch_norm", "functional batch norm is folded only in aten graphs (capture with export)")
+            fuser.torch_functional(node)
     changed = bool(fuser.folded)
     if changed:
         erase_if_unused(gm, fuser.maybe_dead)
@@ -87,11 +144,26 @@ def fuse_conv_bn(gm: GraphModule, opts: FuseConvBnOptions, ctx: PassContext) -> 
     return PassResult(gm, changed, fuser.notes())
 
 
+@dataclass(frozen=True)
+class _Site:
+    """The batch norm being looked at, as the notes name it: its class and where it lives."""
+
+    kind: str  # "BatchNorm2d", "BatchNormAct2d (F.batch_norm)", "batch_norm"
+    name: str  # "layer1.0.bn1"
+
+
+class _Unproven(Exception):
+    """Why shape ops are not shown to carry a layer's output channels onto BatchNorm's dim 1."""
+
+
 class _Fuser:
-    def __init__(self, gm: GraphModule, opts: FuseConvBnOptions, ctx: PassContext) -> None:
+    def __init__(self, gm: GraphModule, opts: FuseConvBnOptions, ctx: PassContext, *, look_through: bool) -> None:
         self.gm, self.opts, self.ctx = gm, opts, ctx
-        self.folded: Counter[str] = Counter()  # "BatchNorm2d into Conv2d" → n
-        self.left: Counter[str] = Counter()  # "BatchNorm2d: reason" → n
+        self.look_through = look_through
+        # "BatchNorm1d into Linear through flatten" → one entry per fold: "bn into fc" when shape
+        # ops sat between them (the notes name those), "" for a plain fold (the notes count it)
+        self.folded: dict[str, list[str]] = defaultdict(list)
+        self.left: dict[str, list[str]] = defaultdict(list)  # "BatchNorm2d: reason" → batch norm names
         self.maybe_dead: list[Node] = []
         self.bn_prefixes: set[str] = set()
         self._shapes_known = False
@@ -100,167 +172,310 @@ class _Fuser:
 
     def torch_level(self, bn_node: Node) -> None:
         bn = _module(self.gm, bn_node)
-        bn_kind = type(bn).__name__
-        src = bn_node.args[0] if bn_node.args else None
-        producer = _module(self.gm, src) if isinstance(src, Node) and src.op == "call_module" else None
-        is_conv = isinstance(producer, _CONV_MODULES)
-        is_linear = isinstance(producer, nn.Linear)
-        if not (is_conv or is_linear):
-            return self._leave(bn_kind, f"its input is not a Conv/Linear ({_describe(self.gm, src)})")
-        for mod in (producer, bn):
-            if type(mod).forward not in _PLAIN_FORWARDS:
-                return self._leave(bn_kind, f"{type(mod).__name__} overrides forward, so the fold may not hold")
-        if is_linear and not self.opts.linear:
-            return self._leave(bn_kind, "it follows a Linear and options.linear is false")
+        site = _Site(type(bn).__name__, bn_node.target)
+        if type(bn).forward not in _PLAIN_FORWARDS:
+            return self._leave(site, f"{type(bn).__name__} overrides forward, so the fold may not hold")
         if bn.training or bn.running_mean is None or bn.running_var is None:
-            return self._leave(bn_kind, "it normalizes with batch statistics (training mode or no running stats)")
-        if len(src.users) != 1:
-            return self._leave(bn_kind, f"the {type(producer).__name__} output has {len(src.users)} users")
-        if sum(1 for n in self.gm.graph.nodes if n.op == "call_module" and n.target == src.target) != 1:
-            return self._leave(bn_kind, f"the {type(producer).__name__} module is called more than once")
-        expected_rank = 2 if is_linear else producer.weight.dim()  # Conv{k}d weight and output: k + 2 dims
-        rank = self._rank(src)
-        if is_linear and rank != 2:
-            why = "its rank is unknown without example inputs" if rank is None else f"it has {rank} dims"
-            return self._leave(bn_kind, f"the Linear output is not 2-D ({why}), so BatchNorm's channels are not its features")
-        if is_conv and rank is not None and rank != expected_rank:
-            return self._leave(bn_kind, f"the conv output has {rank} dims (unbatched?)")
-        features = producer.out_channels if is_conv else producer.out_features
-        if features != bn.num_features:
-            return self._leave(bn_kind, f"it has {bn.num_features} features, its input {features}")
-        if any(n.op == "get_attr" and n.target.startswith(src.target + ".") for n in self.gm.graph.nodes):
-            return self._leave(bn_kind, f"the {type(producer).__name__} parameters are also read elsewhere")
-        transposed = isinstance(producer, nn.modules.conv._ConvTransposeNd)
-        weight, bias = _fold(producer.weight, producer.bias, bn, out_axis=0,
-                             transposed_groups=producer.groups if transposed else None)
-        fused = copy.deepcopy(producer)
+            return self._leave(site, "it normalizes with batch statistics (training mode or no running stats)")
+        src = bn_node.args[0] if bn_node.args else None
+        self._fold_into_module(site, bn_node, src, bn, bn.num_features)
+
+    def torch_functional(self, bn_node: Node) -> None:
+        """`F.batch_norm` whose tensors are attributes, as timm's BatchNormAct2d traces (issue 23):
+        with `training` a constant False it is an eval BatchNorm, folded like the module."""
+        bound = _F_BATCH_NORM_SIGNATURE.bind(*bn_node.args, **bn_node.kwargs)
+        bound.apply_defaults()
+        args = bound.arguments
+        stats = [args["running_mean"], args["running_var"]]
+        owner = split_target(stats[0].target)[0] if _is_attr(stats[0]) else ""
+        site = _Site(_functional_kind(bn_node), owner or bn_node.name)
+        if isinstance(args["training"], Node):
+            return self._leave(site, "its training flag is computed in the graph, so it may use batch statistics")
+        if args["training"]:
+            return self._leave(site, "it normalizes with batch statistics (training=True)")
+        if not all(_is_attr(s) for s in stats):
+            return self._leave(site, "its running statistics are not constant attributes")
+        for name in ("weight", "bias"):
+            if args[name] is not None and not _is_attr(args[name]):
+                return self._leave(site, f"its {name} is computed in the graph, not an attribute")
+        if not isinstance(args["eps"], (int, float)):
+            return self._leave(site, "its eps is computed in the graph")
+        gm = self.gm
+        bn = _BnTensors(
+            weight=fetch_attr(gm, args["weight"].target) if args["weight"] is not None else None,
+            bias=fetch_attr(gm, args["bias"].target) if args["bias"] is not None else None,
+            running_mean=fetch_attr(gm, stats[0].target),
+            running_var=fetch_attr(gm, stats[1].target),
+            eps=float(args["eps"]),
+        )
+        if self._fold_into_module(site, bn_node, args["input"], bn, bn.running_mean.numel()):
+            self.maybe_dead += [a for a in (args["weight"], args["bias"], *stats) if isinstance(a, Node)]
+            if owner:
+                self.bn_prefixes.add(owner)
+
+    def _fold_into_module(self, site: _Site, bn_node: Node, src, bn, features: int) -> bool:
+        """Fold `bn` into the call_module Conv/Linear that produces `src`, through shape ops."""
+        gm = self.gm
+        producer, ops = self._look_through(src, lambda n: _torch_shape_op(gm, n) is not None)
+        layer = _module(gm, producer)
+        if not isinstance(layer, (*_CONV_MODULES, nn.Linear)):
+            return self._leave(site, f"its input is not a Conv/Linear ({_describe(gm, producer)}{self._through(ops)})")
+        kind = type(layer).__name__
+        if type(layer).forward not in _PLAIN_FORWARDS:
+            return self._leave(site, f"{kind} overrides forward, so the fold may not hold")
+        is_linear = isinstance(layer, nn.Linear)
+        if is_linear and not self.opts.linear:
+            return self._leave(site, "it follows a Linear and options.linear is false")
+        if why := self._other_readers(producer, ops, kind):
+            return self._leave(site, why)
+        if sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == producer.target) != 1:
+            return self._leave(site, f"the {kind} module is called more than once")
+        if why := self._torch_channels_reach_bn(producer, layer, ops):
+            return self._leave(site, why)
+        out_features = layer.out_features if is_linear else layer.out_channels
+        if out_features != features:
+            return self._leave(site, f"it has {features} features, its input {out_features}")
+        if any(n.op == "get_attr" and n.target.startswith(producer.target + ".") for n in gm.graph.nodes):
+            return self._leave(site, f"the {kind} parameters are also read elsewhere")
+        transposed = isinstance(layer, nn.modules.conv._ConvTransposeNd)
+        weight, bias = _fold(layer.weight, layer.bias, bn, out_axis=0,
+                             transposed_groups=layer.groups if transposed else None)
+        fused = copy.deepcopy(layer)
         fused.weight = nn.Parameter(weight, requires_grad=False)
         fused.bias = nn.Parameter(bias, requires_grad=False)
-        replace_submodule(self.gm, src.target, fused)
-        bn_node.replace_all_uses_with(src)
-        self.gm.graph.erase_node(bn_node)
-        self.folded[f"{bn_kind} into {type(producer).__name__}"] += 1
+        replace_submodule(gm, producer.target, fused)
+        bn_node.replace_all_uses_with(ops[-1] if ops else producer)
+        gm.graph.erase_node(bn_node)
+        self._record(site, kind, producer.target, ops)
+        return True
+
+    def _torch_channels_reach_bn(self, producer: Node, layer: nn.Module, ops: list[Node]) -> str | None:
+        """None when the layer's output channels are the batch norm's dim 1 for every input; else why not.
+
+        Shapes here are the example's (ShapeProp), so only ranks are taken from them: each
+        op's effect on the channel dim is worked out from its arguments (`_torch_channel_axis`).
+        """
+        is_linear = isinstance(layer, nn.Linear)
+        rank = self._rank(producer)
+        if not ops:
+            if is_linear and rank != 2:
+                why = "its rank is unknown without example inputs" if rank is None else f"it has {rank} dims"
+                return f"the Linear output is not 2-D ({why}), so BatchNorm's channels are not its features"
+            if not is_linear and rank is not None and rank != layer.weight.dim():  # Conv{k}d: k + 2 dims
+                return f"the conv output has {rank} dims (unbatched?)"
+            return None
+        ranks = [rank, *(self._rank(op) for op in ops)]
+        if None in ranks:
+            return f"the shapes{self._through(ops)} are unknown without example inputs"
+        kind = type(layer).__name__
+        axis = _layer_channel_axis(is_linear, rank, layer.weight.dim())
+        channels = layer.out_features if is_linear else layer.out_channels
+        for op, rank_in, rank_out in zip(ops, ranks, ranks[1:]):
+            op_kind, params = _torch_shape_op(self.gm, op)
+            try:
+                axis = _torch_channel_axis(op_kind, params, axis, rank_in, rank_out, channels)
+            except _Unproven as why:
+                return f"the {_op_label(self.gm, op)} after the {kind} {why}"
+        return None if axis == 1 else self._moved(kind, ops, {axis})
 
     # -- aten level -----------------------------------------------------------------------
 
     def aten_level(self, bn_node: Node) -> None:
         bn_args = bind_op_args(bn_node)
-        bn_kind = _module_kind(bn_node, "batch_norm")
-        src = bn_args["input"]
-        if bn_args.get("training", False):
-            return self._leave(bn_kind, "it normalizes with batch statistics (exported in training mode)")
         stats = [bn_args["running_mean"], bn_args["running_var"]]
-        if not all(isinstance(s, Node) and s.op == "get_attr" for s in stats):
-            return self._leave(bn_kind, "its running statistics are not constant attributes")
+        site = _Site(_module_kind(bn_node, "batch_norm"),
+                     (split_target(stats[0].target)[0] if _is_attr(stats[0]) else "") or bn_node.name)
+        if bn_args.get("training", False):
+            return self._leave(site, "it normalizes with batch statistics (exported in training mode)")
+        if not all(_is_attr(s) for s in stats):
+            return self._leave(site, "its running statistics are not constant attributes")
         for name in ("weight", "bias"):
             value = bn_args[name]
-            if value is not None and not (isinstance(value, Node) and value.op == "get_attr"):
-                return self._leave(bn_kind, f"its {name} is computed in the graph, not an attribute")
+            if value is not None and not _is_attr(value):
+                return self._leave(site, f"its {name} is computed in the graph, not an attribute")
         out_nodes = _bn_outputs(bn_node)
         if out_nodes is None:
-            return self._leave(bn_kind, "its saved mean/invstd outputs are used")
+            return self._leave(site, "its saved mean/invstd outputs are used")
+        src, ops, bias_add = self._find_aten_layer(bn_args["input"])
+        not_a_layer = f"its input is not a Conv/Linear ({_describe(self.gm, src)}{self._through(ops)})"
         if not isinstance(src, Node) or src.op != "call_function":
-            return self._leave(bn_kind, f"its input is not a Conv/Linear ({_describe(self.gm, src)})")
+            return self._leave(site, not_a_layer)
+        is_linear = src.target in _LINEAR_OPS
         if src.target in _CONV_OPS:
-            plan = self._plan_conv(src, bn_kind)
-        elif src.target in (aten.linear.default, aten.addmm.default, aten.mm.default):
+            plan = self._plan_conv(src, site)
+        elif is_linear:
             if not self.opts.linear:
-                return self._leave(bn_kind, "it follows a Linear and options.linear is false")
-            plan = self._plan_linear(src, bn_kind)
+                return self._leave(site, "it follows a Linear and options.linear is false")
+            is_bmm = src.target == aten.bmm.default
+            plan = self._plan_bmm(src, bias_add, site) if is_bmm else self._plan_linear(src, site)
         else:
-            return self._leave(bn_kind, f"its input is not a Conv/Linear ({_describe(self.gm, src)})")
+            return self._leave(site, not_a_layer)
         if plan is None:
             return
-        if len(src.users) != 1:
-            return self._leave(bn_kind, f"the {_module_kind(src, str(src.target))} output has {len(src.users)} users")
+        kind = _module_kind(src, _op_name(src))
+        if why := self._other_readers(src, ops, kind):
+            return self._leave(site, why)
+        weight_node = plan[0]
+        weight_rank = fetch_attr(self.gm, weight_node.target).dim()
+        if why := self._aten_channels_reach_bn(src, ops, kind, is_linear, weight_rank):
+            return self._leave(site, why)
 
-        weight_node, bias_node, weight_axis, weight_arg, transposed_groups = plan
-        gm = self.gm
-        bn_t = _BnTensors(
-            weight=fetch_attr(gm, bn_args["weight"].target) if bn_args["weight"] is not None else None,
-            bias=fetch_attr(gm, bn_args["bias"].target) if bn_args["bias"] is not None else None,
-            running_mean=fetch_attr(gm, stats[0].target),
-            running_var=fetch_attr(gm, stats[1].target),
+        bn = _BnTensors(
+            weight=fetch_attr(self.gm, bn_args["weight"].target) if bn_args["weight"] is not None else None,
+            bias=fetch_attr(self.gm, bn_args["bias"].target) if bn_args["bias"] is not None else None,
+            running_mean=fetch_attr(self.gm, stats[0].target),
+            running_var=fetch_attr(self.gm, stats[1].target),
             eps=float(bn_args["eps"]),
         )
-        w = fetch_attr(gm, weight_node.target)
-        b = fetch_attr(gm, bias_node.target) if bias_node is not None else None
-        new_w, new_b = _fold(w, b, bn_t, out_axis=weight_axis, transposed_groups=transposed_groups)
-
-        uses = get_attr_users(gm)
-        w_user = weight_arg[1] if weight_arg[0] == "permute" else src
-        new_w_node = self._bind(weight_node, new_w, uses, fallback_owner=weight_node.target, before=w_user)
-        if weight_arg[0] == "permute":
-            weight_arg[1].replace_input_with(weight_node, new_w_node)
-        else:
-            set_op_arg(src, weight_arg[1], new_w_node)
-        new_b_node = self._bind(bias_node, new_b, uses, fallback_owner=weight_node.target, before=src)
-        if src.target == aten.mm.default:  # mm has no bias: becomes addmm(bias, x, w)
-            src.target = aten.addmm.default
-            src.args = (new_b_node, *src.args)
-            src.kwargs = {}
-        elif src.target == aten.addmm.default:
-            set_op_arg(src, "self", new_b_node)
-        else:
-            set_op_arg(src, "bias", new_b_node)
-
+        layer_out = self._rewrite_aten_layer(src, plan, bn, bias_add)
+        bn_input = ops[-1] if ops else layer_out
         for out in out_nodes:
-            out.replace_all_uses_with(src)
+            out.replace_all_uses_with(bn_input)
         for out in out_nodes:
             if out is not bn_node:
-                gm.graph.erase_node(out)
-        gm.graph.erase_node(bn_node)
-        self.maybe_dead += [n for n in (weight_node, bias_node) if n is not None]
+                self.gm.graph.erase_node(out)
+        self.gm.graph.erase_node(bn_node)
         self.maybe_dead += [a for a in (bn_args["weight"], bn_args["bias"], *stats) if isinstance(a, Node)]
         self.bn_prefixes.add(split_target(stats[0].target)[0])
-        self.folded[f"{bn_kind} into {_module_kind(src, _op_name(src))}"] += 1
+        shape_ops = [op for op in ops if op is not bias_add]  # the bias add is part of the Linear
+        self._record(site, kind, split_target(weight_node.target)[0] or src.name, shape_ops)
 
-    def _plan_conv(self, conv: Node, bn_kind: str):
+    def _find_aten_layer(self, bn_input) -> tuple[Any, list[Node], Node | None]:
+        """(layer, shape ops after it, the bias add of a bmm Linear or None) behind a batch norm.
+
+        A Linear over a 3-D input that is not contiguous decomposes to bmm → view → add(bias):
+        that add belongs to the layer, so the search goes on past it to the bmm.
+        """
+        src, ops = self._look_through(bn_input, _is_aten_shape_op)
+        if self.look_through and _is_bias_add(self.gm, src):
+            layer, inner_ops = self._look_through(src.args[0], _is_aten_shape_op)
+            if isinstance(layer, Node) and layer.target == aten.bmm.default:
+                return layer, [*inner_ops, src, *ops], src
+        return src, ops, None
+
+    def _rewrite_aten_layer(self, layer: Node, plan, bn: _BnTensors, bias_add: Node | None) -> Node:
+        """Put the fused weight and bias in `layer`'s place. Returns the node now carrying its output."""
+        gm = self.gm
+        weight_node, bias_node, weight_axis, weight_arg, transposed_groups = plan
+        w = fetch_attr(gm, weight_node.target)
+        b = fetch_attr(gm, bias_node.target) if bias_node is not None else None
+        new_w, new_b = _fold(w, b, bn, out_axis=weight_axis, transposed_groups=transposed_groups)
+
+        uses = get_attr_users(gm)
+        w_user = weight_arg[1] if weight_arg[0] == "user" else layer
+        new_w_node = self._bind(weight_node, new_w, uses, fallback_owner=weight_node.target, before=w_user)
+        if weight_arg[0] == "user":
+            w_user.replace_input_with(weight_node, new_w_node)
+        else:
+            set_op_arg(layer, weight_arg[1], new_w_node)
+        new_b_node = self._bind(bias_node, new_b, uses, fallback_owner=weight_node.target, before=layer)
+        self.maybe_dead += [n for n in (weight_node, bias_node) if n is not None]
+        if layer.target == aten.mm.default:  # mm has no bias: becomes addmm(bias, x, w)
+            layer.target = aten.addmm.default
+            layer.args = (new_b_node, *layer.args)
+            layer.kwargs = {}
+        elif layer.target == aten.addmm.default:
+            set_op_arg(layer, "self", new_b_node)
+        elif layer.target == aten.bmm.default and bias_add is not None:
+            bias_add.replace_input_with(bias_node, new_b_node)
+        elif layer.target == aten.bmm.default:  # a Linear without bias: add one after the bmm
+            with gm.graph.inserting_after(layer):
+                add = gm.graph.call_function(aten.add.Tensor, (layer, new_b_node))
+            layer.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
+            add.meta.update({k: v for k, v in layer.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
+            return add
+        else:
+            set_op_arg(layer, "bias", new_b_node)
+        return layer
+
+    def _plan_conv(self, conv: Node, site: _Site):
         args = bind_op_args(conv)
         transposed = bool(args.get("transposed", False)) or conv.target in _CONV_TRANSPOSE_OPS
         groups = args.get("groups", 1)
         if transposed and not isinstance(groups, int):
-            return self._leave(bn_kind, "the transposed conv's groups is computed in the graph")
+            return self._leave(site, "the transposed conv's groups is computed in the graph")
         weight, bias = args["weight"], args["bias"]
-        if not (isinstance(weight, Node) and weight.op == "get_attr"):
-            return self._leave(bn_kind, "the conv weight is computed in the graph, not an attribute")
-        if bias is not None and not (isinstance(bias, Node) and bias.op == "get_attr"):
-            return self._leave(bn_kind, "the conv bias is computed in the graph, not an attribute")
-        rank, w_rank = node_rank(conv), fetch_attr(self.gm, weight.target).dim()
-        if rank is not None and rank != w_rank:
-            return self._leave(bn_kind, f"the conv output has {rank} dims (unbatched?)")
+        if not _is_attr(weight):
+            return self._leave(site, "the conv weight is computed in the graph, not an attribute")
+        if bias is not None and not _is_attr(bias):
+            return self._leave(site, "the conv bias is computed in the graph, not an attribute")
         return weight, bias, 0, ("arg", "weight"), groups if transposed else None
 
-    def _plan_linear(self, lin: Node, bn_kind: str):
+    def _plan_linear(self, lin: Node, site: _Site):
         kind = _module_kind(lin, _op_name(lin))
-        rank = self._rank(lin)
-        if rank != 2:
-            why = "its rank is unknown" if rank is None else f"it has {rank} dims"
-            return self._leave(bn_kind, f"the {kind} output is not 2-D ({why}), so BatchNorm's channels are not its features")
         args = bind_op_args(lin)
         if lin.target == aten.linear.default:
             weight, bias, axis, where = args["weight"], args["bias"], 0, ("arg", "weight")
         else:
             if lin.target == aten.addmm.default and (args["beta"] != 1 or args["alpha"] != 1):
-                return self._leave(bn_kind, f"the {kind} scales its terms (alpha/beta != 1)")
+                return self._leave(site, f"the {kind} scales its terms (alpha/beta != 1)")
             bias = args["self"] if lin.target == aten.addmm.default else None
             mat2 = args["mat2"]
-            if isinstance(mat2, Node) and mat2.op == "get_attr":
+            if _is_attr(mat2):
                 weight, axis, where = mat2, 1, ("arg", "mat2")  # already (in, out)
             elif (isinstance(mat2, Node) and mat2.target in _PERMUTE_OPS and len(mat2.users) == 1
-                  and isinstance(mat2.args[0], Node) and mat2.args[0].op == "get_attr"
+                  and _is_attr(mat2.args[0])
                   and (mat2.target == aten.t.default or list(mat2.args[1]) == [1, 0])):
-                weight, axis, where = mat2.args[0], 0, ("permute", mat2)  # (out, in), transposed in graph
+                weight, axis, where = mat2.args[0], 0, ("user", mat2)  # (out, in), transposed in graph
             else:
-                return self._leave(bn_kind, f"the {kind} weight is not a constant attribute")
-        if not (isinstance(weight, Node) and weight.op == "get_attr"):
-            return self._leave(bn_kind, f"the {kind} weight is computed in the graph, not an attribute")
+                return self._leave(site, f"the {kind} weight is not a constant attribute")
+        if not _is_attr(weight):
+            return self._leave(site, f"the {kind} weight is computed in the graph, not an attribute")
         if bias is not None:
-            if not (isinstance(bias, Node) and bias.op == "get_attr"):
-                return self._leave(bn_kind, f"the {kind} bias is computed in the graph, not an attribute")
+            if not _is_attr(bias):
+                return self._leave(site, f"the {kind} bias is computed in the graph, not an attribute")
             if fetch_attr(self.gm, bias.target).dim() != 1:
-                return self._leave(bn_kind, f"the {kind} bias is not a per-feature vector")
+                return self._leave(site, f"the {kind} bias is not a per-feature vector")
         return weight, bias, axis, where, None
+
+    def _plan_bmm(self, bmm: Node, bias_add: Node | None, site: _Site):
+        """A Linear that decomposition spelled bmm(x, expand(wᵀ)): its weight is a constant matrix
+        broadcast over the batch, which the chain from the get_attr to the bmm must show."""
+        kind = _module_kind(bmm, "bmm")
+        node, chain = bmm.args[1], []
+        while isinstance(node, Node) and node.target in _BROADCAST_OPS and len(node.users) == 1:
+            chain.append(node)
+            node = node.args[0]
+        if (isinstance(node, Node) and node.target in _PERMUTE_OPS and len(node.users) == 1 and _is_attr(node.args[0])
+                and (node.target == aten.t.default or list(node.args[1]) == [1, 0])):
+            weight, axis, user = node.args[0], 0, node  # (out, in), transposed in graph
+        elif _is_attr(node) and chain:
+            weight, axis, user = node, 1, chain[-1]  # already (in, out)
+        else:  # attention's q @ k, say
+            return self._leave(site, f"its input is not a Conv/Linear ({kind} of computed tensors)")
+        matrix = node_shape(node)
+        broadcast = [*chain, *(c.args[0] for c in chain)]  # each op and its input: (…, in, out)
+        if matrix is None or len(matrix) != 2 or not all(_ends_with(n, matrix) for n in broadcast):
+            return self._leave(site, f"the {kind} weight is not one matrix broadcast over the batch")
+        bias = bias_add.args[1] if bias_add is not None else None
+        if bias is not None and fetch_attr(self.gm, bias.target).shape != (matrix[1],):
+            return self._leave(site, f"the {kind} bias is not a per-feature vector")
+        return weight, bias, axis, ("user", user), None
+
+    def _aten_channels_reach_bn(self, layer: Node, ops: list[Node], kind: str, is_linear: bool,
+                                weight_rank: int) -> str | None:
+        """None when the layer's output channels are the batch norm's dim 1 for every input; else why not.
+
+        Export's shapes are symbolic and hold for every input the program accepts, so the
+        shape ops are followed by comparing sizes (`_aten_channel_axes`).
+        """
+        rank = self._rank(layer)
+        if not ops:
+            if is_linear and rank != 2:
+                why = "its rank is unknown" if rank is None else f"it has {rank} dims"
+                return f"the {kind} output is not 2-D ({why}), so BatchNorm's channels are not its features"
+            if not is_linear and rank is not None and rank != weight_rank:
+                return f"the conv output has {rank} dims (unbatched?)"
+            return None
+        if rank is None:
+            return f"the {kind} output has no shape metadata"
+        axes = {_layer_channel_axis(is_linear, rank, weight_rank)}
+        for op in ops:
+            try:
+                axes = _aten_channel_axes(op, axes)
+            except _Unproven as why:
+                return f"the {_op_label(self.gm, op)} after the {kind} {why}"
+        return None if 1 in axes else self._moved(kind, ops, axes)
 
     def _bind(
         self, old: Node | None, value: torch.Tensor, uses: dict[int, int], *, fallback_owner: str, before: Node
@@ -293,6 +508,39 @@ class _Fuser:
 
     # -- shared ---------------------------------------------------------------------------
 
+    def _look_through(self, src, is_shape_op) -> tuple[Any, list[Node]]:
+        """The node behind `src` and the shape ops passed on the way, in graph order."""
+        ops: list[Node] = []
+        while self.look_through and isinstance(src, Node) and is_shape_op(src):
+            ops.append(src)
+            src = src.args[0]
+        return src, ops[::-1]
+
+    def _other_readers(self, layer: Node, ops: list[Node], kind: str) -> str | None:
+        """Why the fold would change what another node reads: the layer's output, or a shape
+        op's between it and the batch norm, has a user besides the next one that reads values."""
+        labels = [kind, *(_op_label(self.gm, op) for op in ops)]
+        for node, label in zip([layer, *ops], labels):
+            readers = [u for u in node.users if not _reads_only_shape(u, node)]
+            if len(readers) != 1:
+                return f"the {label} output has {len(readers)} users"
+        return None
+
+    def _through(self, ops: list[Node]) -> str:
+        """` through flatten`: the shape ops between a layer and its batch norm, for notes."""
+        if not ops:
+            return ""
+        return " through " + "+".join(dict.fromkeys(_op_label(self.gm, op) for op in ops))
+
+    def _moved(self, kind: str, ops: list[Node], axes: set[int]) -> str:
+        where = ", ".join(str(a) for a in sorted(axes)) or "no dim"
+        return (f"{self._through(ops).strip()} the {kind}'s output channels land on dim {where}, "
+                "but BatchNorm normalizes dim 1")
+
+    def _record(self, site: _Site, kind: str, layer_name: str, ops: list[Node]) -> None:
+        self.folded[f"{site.kind} into {kind}{self._through(ops)}"].append(
+            f"{site.name} into {layer_name}" if ops else "")
+
     def _rank(self, node: Node) -> int | None:
         rank = node_rank(node)
         if rank is None and not self._shapes_known and self.ctx.example_inputs:
@@ -304,16 +552,22 @@ class _Fuser:
             rank = node_rank(node)
         return rank
 
-    def _leave(self, bn_kind: str, reason: str) -> None:
-        self.left[f"{bn_kind}: {reason}"] += 1
+    def _leave(self, site: _Site, reason: str) -> None:
+        self.left[f"{site.kind}: {reason}"].append(site.name)
         return None
 
     def notes(self) -> str:
+        """Counts, and names where they help: `folded 5 BatchNorm2d into Conv2d; 2 BatchNorm1d into
+        Linear through flatten (bn1 into fc1, bn2 into fc2). Left 1 BatchNorm2d: the Conv2d output
+        has 2 users (bn)`. A plain fold is only counted: it is what the pass is expected to do."""
+        def entries(groups: dict[str, list[str]]) -> str:
+            return "; ".join(f"{len(names)} {what}{_named(names)}" for what, names in groups.items())
+
         parts = []
         if self.folded:
-            parts.append("folded " + "; ".join(f"{n} {what}" for what, n in self.folded.items()))
+            parts.append("folded " + entries(self.folded))
         if self.left:
-            parts.append(("Left " if parts else "left ") + "; ".join(f"{n} {what}" for what, n in self.left.items()))
+            parts.append(("Left " if parts else "left ") + entries(self.left))
         return ". ".join(parts) if parts else "no BatchNorm nodes"
 
 
@@ -408,3 +662,221 @@ def _describe(gm: GraphModule, node) -> str:
     if node.op == "call_function":
         return _op_name(node) if hasattr(node.target, "_schema") else getattr(node.target, "__name__", str(node.target))
     return f"{node.op} {node.target}"
+
+
+def _op_label(gm: GraphModule, node: Node) -> str:
+    """How notes name a shape op: `flatten` (method, function or aten op), `Flatten` (module)."""
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    return _op_name(node)
+
+
+def _named(names: list[str], shown: int = 3) -> str:
+    """` (bn1, bn2, bn3, +4 more)`: the first few names of a group in the notes; "" when it has none."""
+    names = [n for n in names if n]
+    if not names:
+        return ""
+    more = f", +{len(names) - shown} more" if len(names) > shown else ""
+    return f" ({', '.join(names[:shown])}{more})"
+
+
+def _is_attr(value) -> bool:
+    return isinstance(value, Node) and value.op == "get_attr"
+
+
+def _functional_kind(node: Node) -> str:
+    """`BatchNormAct2d (F.batch_norm)`: the BatchNorm subclass whose forward called F.batch_norm."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        _path, cls = list(stack.values())[-1]
+        if isinstance(cls, type) and issubclass(cls, nn.modules.batchnorm._BatchNorm):
+            return f"{cls.__name__} (F.batch_norm)"
+    return "F.batch_norm"
+
+
+def _reads_only_shape(user: Node, node: Node) -> bool:
+    """True when `user` reads only `node`'s shape, dtype or device, which a fold leaves as they are."""
+    if user.op not in ("call_method", "call_function") or not _hashable(user.target):
+        return False
+    if user.target is getattr:
+        return user.args[1] in _SHAPE_ATTRS
+    if user.target in _SHAPE_METHODS and user.op == "call_method" or user.target in _SHAPE_QUERIES:
+        return True
+    if user.target in _SHAPE_TEMPLATES:
+        return user.args[0] is not node  # `y.reshape_as(node)`: node lends only its shape
+    return False
+
+
+def _is_bias_add(gm: GraphModule, node) -> bool:
+    """`add(x, bias)` with a 1-D constant `bias`: how decomposition adds a Linear's bias after a bmm."""
+    return (isinstance(node, Node) and node.op == "call_function" and node.target == aten.add.Tensor
+            and len(node.args) == 2 and not node.kwargs and isinstance(node.args[0], Node)
+            and _is_attr(node.args[1]) and fetch_attr(gm, node.args[1].target).dim() == 1)
+
+
+def _ends_with(node: Node, matrix: tuple) -> bool:
+    """Whether node's shape ends with the two sizes of `matrix` (for every input)."""
+    shape = node_shape(node)
+    return (shape is not None and len(shape) >= 2
+            and _known_equal(shape[-2], matrix[0]) and _known_equal(shape[-1], matrix[1]))
+
+
+def _is_aten_shape_op(node: Node) -> bool:
+    return (node.op == "call_function" and node.target in _ATEN_SHAPE_OPS
+            and bool(node.args) and isinstance(node.args[0], Node))
+
+
+def _torch_shape_op(gm: GraphModule, node: Node) -> tuple[str, tuple] | None:
+    """A torch-level shape op as (kind, arguments after the input), whatever its spelling:
+    `x.flatten(0, 1)`, `torch.flatten(x, 0, 1)`, `nn.Flatten(0, 1)`. None for anything else."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if type(mod) is nn.Flatten:
+            return "flatten", (mod.start_dim, mod.end_dim)
+        if type(mod) is nn.Unflatten:
+            return "unflatten", (mod.dim, tuple(mod.unflattened_size))
+        if type(mod) is nn.Identity:
+            return "identity", ()
+        return None
+    if node.op == "call_method":
+        kind = _TORCH_METHOD_KINDS.get(node.target)
+    elif node.op == "call_function":
+        kind = _TORCH_FUNCTION_KINDS.get(node.target) if _hashable(node.target) else None
+    else:
+        return None
+    if kind is None or not node.args or not isinstance(node.args[0], Node):
+        return None
+    rest, kwargs = node.args[1:], node.kwargs
+    if node.target in ("view_as", "reshape_as"):
+        return kind, (None,)  # the shape comes from another tensor
+    if kind in ("permute", "reshape"):  # x.permute(0, 2, 1), x.permute((0, 2, 1)), torch.permute(x, dims=...)
+        sizes = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        if not sizes:
+            sizes = kwargs.get("dims", kwargs.get("shape", kwargs.get("size", ())))
+        return kind, (tuple(sizes),)
+    params = _TORCH_DIM_PARAMS.get(kind, ())
+    return kind, tuple(rest[i] if i < len(rest) else kwargs.get(name, default)
+                       for i, (name, default) in enumerate(params))
+
+
+def _hashable(target) -> bool:
+    try:
+        hash(target)
+    except TypeError:
+        return False
+    return True
+
+
+def _layer_channel_axis(is_linear: bool, rank: int, weight_rank: int) -> int:
+    """Where a layer's output channels are: a Linear's last dim; a conv's dim 1 (0 when unbatched)."""
+    if is_linear:
+        return rank - 1
+    return 1 if rank == weight_rank else 0
+
+
+def _dim(d, rank: int) -> int:
+    """`d` as a dim in 0..rank-1, or _Unproven when it is not a constant in range."""
+    if not isinstance(d, int) or isinstance(d, bool) or not -rank <= d < rank:
+        raise _Unproven(f"takes dim {d} that is not a constant dim of its input")
+    return d % rank
+
+
+def _torch_channel_axis(kind: str, params: tuple, axis: int, rank_in: int, rank_out: int, channels: int) -> int:
+    """Where the channels at `axis` are after one torch-level shape op — for every input shape.
+
+    A torch-level graph knows only the example's sizes, so this works from the op's arguments:
+    flatten / unflatten / [un]squeeze / permute / transpose by dims. A view or reshape moves
+    values by shape, which is shown for every input only when the channels are the last dim
+    before and after, with the literal size: then element i has channel i mod C on both sides.
+    """
+    if kind == "identity":
+        return axis
+    if kind == "flatten":
+        start, end = _dim(params[0], rank_in), _dim(params[1], rank_in)
+        if axis < start or axis > end:
+            return axis if axis < start else axis - (end - start)
+        raise _Unproven("merges the channel dim with others (harmless only where they are 1, which export can prove)")
+    if kind == "unflatten":
+        d = _dim(params[0], rank_in)
+        if d == axis:
+            raise _Unproven("splits the channel dim")
+        return axis + (rank_out - rank_in) if d < axis else axis
+    if kind == "unsqueeze":
+        return axis + 1 if _dim(params[0], rank_in + 1) <= axis else axis
+    if kind == "squeeze":
+        dims = params[0] if isinstance(params[0], (tuple, list)) else (params[0],)
+        if params[0] is None or any(_dim(d, rank_in) <= axis for d in dims):
+            raise _Unproven("may drop a dim at or before the channels, depending on the input's shape")
+        return axis
+    if kind in ("permute", "transpose", "t"):
+        return _permutation(kind, params, rank_in).index(axis)
+    shape = params[0]  # view / reshape
+    if axis == rank_in - 1 and shape and type(shape[-1]) is int and shape[-1] == channels:
+        return rank_out - 1
+    raise _Unproven("moves the channels by shape, which a torch-level graph proves only when they stay "
+                    f"the last dim, of literal size {channels}; capture with export to prove this one")
+
+
+def _permutation(kind: str, params: tuple, rank: int) -> list[int]:
+    """The dims of a permute / transpose / t output, as dims of its input."""
+    if kind == "permute":
+        perm = [_dim(d, rank) for d in params[0]]
+    elif kind == "transpose":
+        a, b = _dim(params[0], rank), _dim(params[1], rank)
+        perm = list(range(rank))
+        perm[a], perm[b] = b, a
+    else:  # t: swaps a matrix's dims, leaves a vector as it is
+        perm = list(range(rank))[::-1] if rank == 2 else list(range(rank))
+    if sorted(perm) != list(range(rank)):
+        raise _Unproven(f"takes dims {perm} that are not a permutation of its input's")
+    return perm
+
+
+def _aten_channel_axes(op: Node, axes: set[int]) -> set[int]:
+    """Where the channels at `axes` of op's input are in its output, from export's symbolic shapes.
+
+    A reshape keeps row-major order, so element i has channel (i // inner) mod C, with inner
+    the product of the sizes after the channel dim: the channels land on each output dim of
+    size C with the same inner product. Sizes are compared only when export can prove them
+    equal for every input, so a dynamic dim never passes by a coincidence of the example.
+    (A set: with one channel, any size-1 dim carries it.)
+    """
+    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in (op, op.args[0])):
+        raise _Unproven("has no shape metadata from export")  # ShapeProp's sizes are the example's only
+    src_shape, out_shape = node_shape(op.args[0]), node_shape(op)
+    if op.target in _ATEN_IDENTITIES:
+        return axes
+    if op.target == aten.add.Tensor:  # a bmm Linear's bias (`_find_aten_layer`): broadcast on the last dim
+        same_shape = len(out_shape) == len(src_shape) and all(map(_known_equal, out_shape, src_shape))
+        if len(src_shape) - 1 not in axes or not same_shape:
+            raise _Unproven("adds its bias along a dim that is not the Linear's output features")
+        return {len(src_shape) - 1}
+    if op.target in _ATEN_MOVES:
+        kind = {aten.permute.default: "permute", aten.transpose.int: "transpose", aten.t.default: "t"}[op.target]
+        perm = _permutation(kind, tuple(op.args[1:]), len(src_shape))
+        return {perm.index(a) for a in axes}
+    if op.target in _ATEN_SQUEEZES:
+        dims = range(len(src_shape)) if op.target == aten.squeeze.default else (
+            op.args[1] if isinstance(op.args[1], (tuple, list)) else [op.args[1]])
+        size = [src_shape[_dim(d, len(src_shape))] for d in dims]
+        if not all(_known_equal(s, 1) or _known_unequal(s, 1) for s in size):
+            raise _Unproven("drops a dim that is 1 for some inputs only")
+    found = set()
+    for a in axes:
+        inner = math.prod(src_shape[a + 1:])
+        found |= {d for d in range(len(out_shape))
+                  if _known_equal(out_shape[d], src_shape[a]) and _known_equal(math.prod(out_shape[d + 1:]), inner)}
+    if not found:
+        raise _Unproven("merges or splits the channel dim")
+    return found
+
+
+def _known_equal(a, b) -> bool:
+    """a == b for every input: plain ints, or export's SymInts where its shape environment proves it."""
+    return bool(statically_known_true(a == b))
+
+
+def _known_unequal(a, b) -> bool:
+    return bool(statically_known_true(a != b))

@@ -150,12 +150,21 @@ def prune_unused_attrs(gm: GraphModule) -> list[str]:
 
 def node_rank(node: Node) -> int | None:
     """Rank of a node's tensor result from its metadata (`val` from export, `tensor_meta` from ShapeProp)."""
+    shape = node_shape(node)
+    return len(shape) if shape is not None else None
+
+
+def node_shape(node: Node) -> tuple[Any, ...] | None:
+    """Shape of a node's tensor result from its metadata, None when unknown.
+
+    From export (`val`) the sizes are symbolic (`torch.SymInt` for a dynamic dim) and hold for
+    every input the program accepts; from ShapeProp (`tensor_meta`) they are the example's ints.
+    """
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return val.dim()
-    tm = node.meta.get("tensor_meta")
-    shape = getattr(tm, "shape", None)
-    return len(shape) if shape is not None else None
+        return tuple(val.shape)
+    shape = getattr(node.meta.get("tensor_meta"), "shape", None)
+    return tuple(shape) if shape is not None else None
 
 
 def bind_op_args(node: Node) -> dict[str, Any] | None:
