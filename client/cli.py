@@ -17,8 +17,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -26,8 +27,9 @@ from rich.markup import escape
 
 from fxport.client import DEFAULT_SERVER, Client, Job, JobEvent
 from fxport.client.errors import error_doc, job_exit_code, print_error
+from fxport.client.spec_options import NO_FLAGS, SpecFlags, parse_labels, with_spec_flags
 from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, FxportError, InvalidInput
-from fxport.spec import load_spec_file, parse_spec, spec_from_flags
+from fxport.spec import parse_spec
 
 app = typer.Typer(
     name="fxport", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -67,7 +69,7 @@ def _run(command: str, fn: Callable[[], int], as_json: bool) -> None:
         print_error(_err, command, exc)
         if as_json:
             _emit_json(error_doc(command, exc))
-        raise typer.Exit(exc.exit_code or EXIT_FAILED)
+        raise typer.Exit(exc.exit_code or EXIT_FAILED) from None
     raise typer.Exit(code)
 
 
@@ -84,7 +86,7 @@ class _Progress:
             self._bar = Progress(TextColumn("{task.description:<9}"), BarColumn(), TextColumn("{task.fields[msg]}"),
                                  TimeElapsedColumn(), console=_err)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         if self._bar is not None:
             self._bar.start()
         return self
@@ -163,7 +165,7 @@ def _artifact_table(job: Job, console: Console) -> None:
     console.print(table)
 
 
-def _finish(job: Job, *, out: Optional[Path], as_json: bool) -> int:
+def _finish(job: Job, *, out: Path | None, as_json: bool) -> int:
     # With --out, job.wait(download_to=out) fetched what the job lists: every artifact, or the
     # manifest.json and report.html of a failed job (Job._download_outcome, one code path).
     paths: list[Path] = list(job.downloaded or []) if out is not None else []
@@ -180,55 +182,31 @@ def _finish(job: Job, *, out: Optional[Path], as_json: bool) -> int:
     return job_exit_code(job.state, job.error)
 
 
-def _labels(values: Optional[list[str]]) -> dict[str, str]:
-    out = {}
-    for item in values or ():
-        if "=" not in item:
-            raise InvalidInput(f"--label {item!r}: expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        out[k] = v
-    return out
-
-
 # ---------------------------------------------------------------------------------------
 # submit
 # ---------------------------------------------------------------------------------------
 
 
 @app.command()
+@with_spec_flags
 def submit(
     model: Path = typer.Argument(..., help="Model file: .pt2 (torch.export), torch.package, TorchScript, or ONNX."),
-    spec: Optional[Path] = typer.Option(None, "--spec", help="Job spec file (YAML or JSON)."),
-    target: Optional[list[str]] = typer.Option(None, "--target", "-t", help="Artifact to produce (repeatable)."),
-    input_: Optional[list[str]] = typer.Option(None, "--input", help="Input NAME:DIMS[:DTYPE], e.g. x:batch,3,224,224."),
-    dynamic_batch: Optional[str] = typer.Option(None, "--dynamic-batch", help="Range of the 'batch' dim, MIN:OPT:MAX."),
-    pass_: Optional[list[str]] = typer.Option(None, "--pass", help="Graph pass to run, in order (repeatable)."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8."),
-    output: Optional[list[str]] = typer.Option(None, "--output", help="Name of the model's next output, in "
-                                               "flattened order (repeatable; ONNX and TensorRT; default output_0, ...)."),
-    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data file."),
-    benchmark: bool = typer.Option(False, "--benchmark", help="Also measure every artifact's latency, throughput "
-                                   "and memory per batch size on the worker, and recommend one."),
-    label: Optional[list[str]] = typer.Option(None, "--label", help="KEY=VALUE label on the job (repeatable)."),
-    idempotency_key: Optional[str] = typer.Option(None, "--idempotency-key", help="Same key → same job (safe retries)."),
+    flags: SpecFlags = NO_FLAGS,  # --spec, --target, --capture, ...: client/spec_options.py, shared with `convert`
+    calibration: Path | None = typer.Option(None, "--calibration", help="Calibration data file."),
+    idempotency_key: str | None = typer.Option(None, "--idempotency-key", help="Same key → same job (safe retries)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Convert even if the server has this result cached "
                                   "(same model, spec and toolchain); the fresh result replaces the cached one."),
     server: str = SERVER,
-    token: Optional[str] = TOKEN,
+    token: str | None = TOKEN,
     wait: bool = typer.Option(False, "--wait", help="Wait for the job to finish (implied by --out)."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds to wait before giving up (exit 3)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Download the artifacts here (sha256 checked)."),
+    timeout: float | None = typer.Option(None, "--timeout", help="Seconds to wait before giving up (exit 3)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Download the artifacts here (sha256 checked)."),
     as_json: bool = JSON_OUT,
 ) -> None:
     """Submit a model to an fxport server; with --wait/--out, follow it and fetch the artifacts."""
 
     def body() -> int:
-        base = load_spec_file(spec) if spec else {}
-        data = spec_from_flags(base, targets=target, inputs=input_, dynamic_batch=dynamic_batch,
-                               passes=pass_, precision=precision, benchmark=benchmark,
-                               outputs=output)
-        if label:
-            data["labels"] = {**(data.get("labels") or {}), **_labels(label)}
+        data = flags.to_spec()
         parse_spec(data)  # fail fast, before any upload; the server validates again
         if not model.is_file():
             raise InvalidInput(f"model file {str(model)!r} not found", field="model")
@@ -265,19 +243,19 @@ def submit(
 
 @jobs_app.command("list")
 def jobs_list(
-    state: Optional[list[str]] = typer.Option(None, "--state", help="QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED."),
-    label: Optional[list[str]] = typer.Option(None, "--label", help="KEY=VALUE; all must match."),
+    state: list[str] | None = typer.Option(None, "--state", help="QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED."),
+    label: list[str] | None = typer.Option(None, "--label", help="KEY=VALUE; all must match."),
     limit: int = typer.Option(50, "--limit", help="Page size."),
     page_token: str = typer.Option("", "--page-token", help="next_page_token of the previous page."),
     server: str = SERVER,
-    token: Optional[str] = TOKEN,
+    token: str | None = TOKEN,
     as_json: bool = JSON_OUT,
 ) -> None:
     """List jobs, newest first."""
 
     def body() -> int:
         with Client(server, token=token) as client:
-            page = client.list(states=state, labels=_labels(label), page_size=limit, page_token=page_token)
+            page = client.list(states=state, labels=parse_labels(label), page_size=limit, page_token=page_token)
         if as_json:
             _emit_json({"jobs": [j.to_dict() for j in page.jobs], "next_page_token": page.next_page_token})
             return EXIT_OK
@@ -306,7 +284,7 @@ def _columns(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 @jobs_app.command("get")
-def jobs_get(job_id: str, server: str = SERVER, token: Optional[str] = TOKEN, as_json: bool = JSON_OUT) -> None:
+def jobs_get(job_id: str, server: str = SERVER, token: str | None = TOKEN, as_json: bool = JSON_OUT) -> None:
     """Show one job."""
 
     def body() -> int:
@@ -324,9 +302,9 @@ def jobs_get(job_id: str, server: str = SERVER, token: Optional[str] = TOKEN, as
 @jobs_app.command("watch")
 def jobs_watch(
     job_id: str,
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds to wait (exit 3 after)."),
+    timeout: float | None = typer.Option(None, "--timeout", help="Seconds to wait (exit 3 after)."),
     server: str = SERVER,
-    token: Optional[str] = TOKEN,
+    token: str | None = TOKEN,
     as_json: bool = JSON_OUT,
 ) -> None:
     """Follow a job until it ends; exit 0 if it succeeded, 2 if it failed on invalid input, 1 if not."""
@@ -342,7 +320,7 @@ def jobs_watch(
 
 
 @jobs_app.command("cancel")
-def jobs_cancel(job_id: str, server: str = SERVER, token: Optional[str] = TOKEN, as_json: bool = JSON_OUT) -> None:
+def jobs_cancel(job_id: str, server: str = SERVER, token: str | None = TOKEN, as_json: bool = JSON_OUT) -> None:
     """Cancel a queued or running job (a finished job is left as it is)."""
 
     def body() -> int:
@@ -361,9 +339,9 @@ def jobs_cancel(job_id: str, server: str = SERVER, token: Optional[str] = TOKEN,
 def jobs_download(
     job_id: str,
     out: Path = typer.Option(Path("artifacts"), "--out", "-o", help="Destination folder."),
-    name: Optional[list[str]] = typer.Option(None, "--name", help="Only this artifact (repeatable)."),
+    name: list[str] | None = typer.Option(None, "--name", help="Only this artifact (repeatable)."),
     server: str = SERVER,
-    token: Optional[str] = TOKEN,
+    token: str | None = TOKEN,
     as_json: bool = JSON_OUT,
 ) -> None:
     """Download a job's artifacts, checking every sha256."""
@@ -389,11 +367,13 @@ def jobs_download(
 
 @app.command()
 def serve(
-    listen: Optional[str] = typer.Option(None, "--listen", help="host:port to serve on (default 127.0.0.1:50051; port 0 = any)."),
-    broker: Optional[str] = typer.Option(None, "--broker", help="Celery broker + job store, redis://… (unset = embedded)."),
-    store: Optional[str] = typer.Option(None, "--store", help="Artifact store: s3://BUCKET\\[/prefix] or file:///dir."),
-    home: Optional[Path] = typer.Option(None, "--home", help="State folder of the embedded mode (default ./.fxport)."),
-    ready_file: Optional[Path] = typer.Option(None, "--ready-file", help="Write host:port here once serving."),
+    listen: str | None = typer.Option(None, "--listen",
+                                      help="host:port to serve on (default 127.0.0.1:50051; port 0 = any)."),
+    broker: str | None = typer.Option(None, "--broker",
+                                      help="Celery broker + job store, redis://… (unset = embedded)."),
+    store: str | None = typer.Option(None, "--store", help="Artifact store: s3://BUCKET\\[/prefix] or file:///dir."),
+    home: Path | None = typer.Option(None, "--home", help="State folder of the embedded mode (default ./.fxport)."),
+    ready_file: Path | None = typer.Option(None, "--ready-file", help="Write host:port here once serving."),
     insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth",
                                           help="Serve a non-loopback address with no tokens and no mTLS."),
 ) -> None:
@@ -409,7 +389,7 @@ def serve(
         settings = Settings(**overrides)
     except Exception as exc:
         _err.print(f"[red]fxport serve: error:[/] invalid settings: {escape(str(exc))}")
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     configure_logging(settings.log_level, settings.log_format)
     from fxport.service.server import create_server
 
@@ -417,7 +397,7 @@ def serve(
         server, port = create_server(settings)
     except (OSError, ValueError, FxportError) as exc:
         _err.print(f"[red]fxport serve: error:[/] cannot start the server: {escape(str(exc))}")
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -437,10 +417,10 @@ def serve(
 def worker(
     queues: str = typer.Option("cpu", "--queues", "-Q", help="Comma-separated queues: cpu, gpu."),
     concurrency: int = typer.Option(1, "--concurrency", "-c", help="Jobs run at once by this worker."),
-    broker: Optional[str] = typer.Option(None, "--broker", help="redis://… (default FXPORT_BROKER_URL)."),
-    store: Optional[str] = typer.Option(None, "--store", help="Artifact store (default FXPORT_STORE)."),
+    broker: str | None = typer.Option(None, "--broker", help="redis://… (default FXPORT_BROKER_URL)."),
+    store: str | None = typer.Option(None, "--store", help="Artifact store (default FXPORT_STORE)."),
     pool: str = typer.Option("prefork", "--pool", help="prefork (cancel can interrupt a job) or solo."),
-    hostname: Optional[str] = typer.Option(None, "--hostname", "-n", help="Worker node name."),
+    hostname: str | None = typer.Option(None, "--hostname", "-n", help="Worker node name."),
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
 ) -> None:
     """Run a Celery worker for the given queues (needs the \\[worker] extra)."""

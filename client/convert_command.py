@@ -25,14 +25,15 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
 
 from fxport.client.errors import CannotRunHere, error_doc, print_error
+from fxport.client.spec_options import NO_FLAGS, SpecFlags, with_spec_flags
 from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConversionFailed, FxportError, InvalidInput
-from fxport.spec import JobSpec, load_spec_file, parse_spec, spec_from_flags
+from fxport.spec import JobSpec, parse_spec
 
 STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark")
 
@@ -50,7 +51,7 @@ class StageProgress:
             self.progress = Progress(TextColumn("{task.description:<8}"), BarColumn(), TextColumn("{task.fields[msg]}"),
                                      TimeElapsedColumn(), console=console, transient=False)
 
-    def __enter__(self) -> "StageProgress":
+    def __enter__(self) -> StageProgress:
         if self.progress:
             self.progress.start()
         return self
@@ -72,20 +73,11 @@ class StageProgress:
         self.progress.update(self.tasks[stage], completed=frac, msg=msg)
 
 
+@with_spec_flags
 def convert_command(
     model: Path = typer.Argument(..., help="Model file: .pt2 (torch.export), torch.package, TorchScript, or ONNX."),
-    spec: Optional[Path] = typer.Option(None, "--spec", help="Job spec file (YAML or JSON)."),
-    target: Optional[list[str]] = typer.Option(None, "--target", "-t", help="Artifact to produce (repeatable): "
-                                               "torchscript, onnx, exported_program, fx_source."),
-    input_: Optional[list[str]] = typer.Option(None, "--input", help="Input NAME:DIMS[:DTYPE], e.g. x:batch,3,224,224."),
-    dynamic_batch: Optional[str] = typer.Option(None, "--dynamic-batch", help="Range of the 'batch' dim, MIN:OPT:MAX."),
-    pass_: Optional[list[str]] = typer.Option(None, "--pass", help="Graph pass to run, in order (repeatable)."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | fp16 | int8."),
-    output: Optional[list[str]] = typer.Option(None, "--output", help="Name of the model's next output, in "
-                                               "flattened order (repeatable; ONNX and TensorRT; default output_0, ...)."),
-    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration data (.npz/.safetensors)."),
-    benchmark: bool = typer.Option(False, "--benchmark", help="Also measure every artifact's latency, throughput "
-                                   "and memory per batch size on this machine, and recommend one."),
+    flags: SpecFlags = NO_FLAGS,  # --spec, --target, --capture, ...: client/spec_options.py, shared with `submit`
+    calibration: Path | None = typer.Option(None, "--calibration", help="Calibration data (.npz/.safetensors)."),
     out: Path = typer.Option(Path("fxport-out"), "--out", "-o", help="Output folder for artifacts + manifest.json."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout and nothing else."),
     no_sandbox: bool = typer.Option(False, "--no-sandbox", help="Load and run the model in this process, outside "
@@ -94,10 +86,7 @@ def convert_command(
     """Convert a model in a sandbox and verify every artifact against it."""
     err = Console(stderr=True)
     try:
-        base = load_spec_file(spec) if spec else {}
-        job_spec = parse_spec(spec_from_flags(base, targets=target, inputs=input_, dynamic_batch=dynamic_batch,
-                                              passes=pass_, precision=precision, benchmark=benchmark,
-                                              outputs=output))
+        job_spec = parse_spec(flags.to_spec())
         if not model.is_file():
             raise InvalidInput(f"model file {str(model)!r} not found", field="model")  # as `submit` says it
     except FxportError as exc:

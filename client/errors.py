@@ -7,13 +7,21 @@ thing and exit with the same code for the same input (README, "Command line").
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import grpc
 
 import fxport.errors as _engine_errors
 from fxport.errors import (
-    EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_UNREACHABLE, EXIT_USAGE, FxportError, InvalidInput, SpecError,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    FxportError,
+    InvalidInput,
+    SpecError,
 )
 
 
@@ -165,7 +173,8 @@ INPUT_ERROR_CODES = _input_error_codes()
 def job_exit_code(state: str, error: Mapping[str, Any] | None) -> int:
     """A finished job's exit code, as `fxport convert` would exit on the same input: 0 when it
     succeeded; 2 when it failed on invalid input (the model file, the shapes, ...: its error code
-    is one of INPUT_ERROR_CODES, what `convert` raises as InvalidInput); 1 otherwise."""
+    is one of INPUT_ERROR_CODES, what `convert` raises as InvalidInput); 1 otherwise (a conversion
+    that failed: capture_failed, conversion_failed, verification_failed, ...)."""
     if state == "SUCCEEDED":
         return EXIT_OK
     if error and error.get("code") in INPUT_ERROR_CODES:

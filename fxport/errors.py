@@ -79,8 +79,11 @@ class UnsupportedModelFormat(InvalidInput):
     code = "unsupported_format"
 
 
-class CaptureFailed(InvalidInput):
-    """No rung of the capture ladder could turn the model into a graph."""
+class CaptureFailed(FxportError):
+    """No rung of the capture ladder could turn the model into a graph; the message lists each rung's
+    reason and the user's source line where known. A failed conversion (exit 1), not invalid input:
+    the model loaded and ran on the spec's inputs (a shape it cannot take fails before the ladder, as
+    InvalidInput); it is its code that no capture method can follow."""
 
     code = "capture_failed"
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.client.packaged import UNTRACEABLE, package_model
+
 FXPORT = [sys.executable, "-m", "fxport.client.cli"]
 
 
@@ -92,6 +94,51 @@ def test_a_state_dict_exits_2_from_convert_and_from_submit_wait(embedded_server,
     # following the finished job again gives the same code
     watched = fxport("jobs", "watch", job["id"], "--server", embedded_server.address, cwd=tmp_path)
     assert watched.returncode == 2, watched.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# 23.5 A model no capture method follows is a failed conversion: exit 1 from both
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def untraceable(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A torch.package whose forward branches in Python on a tensor's value, and where it does."""
+    model = package_model(UNTRACEABLE, "untraceable_model", tmp_path_factory.mktemp("untraceable"))
+    line = next(n for n, text in enumerate(UNTRACEABLE.splitlines(), 1) if "if y.sum() > 0" in text)
+    return model, f"untraceable_model.py:{line}"
+
+
+def _names_every_rung_and_the_line(message: str, where: str) -> None:
+    assert message.count("no capture method could turn the model into a graph") == 1, message
+    for rung in ("fx: TraceError", "; export: ", "; export (strict): "):
+        assert rung in message, (rung, message)
+    assert f"{where}: if y.sum() > 0" in message, message
+
+
+def test_an_untraceable_model_exits_1_from_convert_and_from_submit_wait(embedded_server, untraceable,
+                                                                        tmp_path: Path) -> None:
+    """It loads and runs on its inputs (invalid input would exit 2): the conversion fails, exit 1, and
+    the message lists each capture method's reason with the user's line, from either command. (The
+    target needs a graph: for TorchScript and ONNX alone, `capture: auto` builds from the eager model.)"""
+    model, where = untraceable
+    local = fxport("convert", str(model), "-t", "exported_program", "--input", "x:2,4", "--out", str(tmp_path / "o"),
+                   cwd=tmp_path)
+    assert local.returncode == 1, local.stderr
+    _names_every_rung_and_the_line(local.stderr[local.stderr.index("fxport convert: error during capture:"):],
+                                   where)
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert (manifest["error"]["stage"], manifest["error"]["code"]) == ("capture", "capture_failed")
+
+    remote = fxport("submit", str(model), "-t", "exported_program", "--input", "x:2,4", "--server",
+                    embedded_server.address,
+                    "--wait", "--timeout", "240", "--json", cwd=tmp_path)
+    assert remote.returncode == 1, (remote.stdout, remote.stderr)
+    job = json.loads(remote.stdout)
+    assert job["state"] == "FAILED" and (job["error"]["stage"], job["error"]["code"]) == ("capture", "capture_failed")
+    _names_every_rung_and_the_line(job["error"]["message"], where)
+    watched = fxport("jobs", "watch", job["id"], "--server", embedded_server.address, cwd=tmp_path)
+    assert watched.returncode == 1, watched.stderr
 
 
 # ---------------------------------------------------------------------------------------

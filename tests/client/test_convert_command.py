@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.client.packaged import TRACEABLE, package_model
 from tests.models import get
 from tests.workers.engine.conftest import save_pt2
 
@@ -42,6 +43,25 @@ def test_convert_prints_the_result_table(model: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "onnxruntime" in proc.stdout or "onnx" in proc.stdout
     assert "pass" in proc.stdout and "model.onnx" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def traceable_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A torch.package of a model every capture method follows (a .pt2 is captured already)."""
+    return package_model(TRACEABLE, "traceable_model", tmp_path_factory.mktemp("traceable"))
+
+
+@pytest.mark.parametrize("capture, level", [("fx", "torch"), ("export", "aten")])
+def test_capture_flag_chooses_the_capture_method(traceable_package: Path, capture: str, level: str,
+                                                  tmp_path: Path) -> None:
+    proc = run_cli("convert", str(traceable_package), "--input", "x:2,3,8,8", "-t", "torchscript",
+                   "--capture", capture, "--out", str(tmp_path / "o"), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads(proc.stdout)
+    assert manifest["spec"]["capture"] == capture
+    assert (manifest["capture"]["method"], manifest["capture"]["level"]) == (capture, level)
+    assert [a["method"] for a in manifest["capture"]["attempts"]] == [capture]  # that rung only
+    assert all(v["passed"] for v in manifest["verification"])
 
 
 def test_truncated_archive_exits_2(model: Path, tmp_path: Path) -> None:

@@ -14,10 +14,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 PINNED = ("grpcio", "grpcio-status", "protobuf")

@@ -8,6 +8,7 @@ without a literal form) are checked on small hand-made graphs.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import re
@@ -26,8 +27,14 @@ from torch import nn
 from fxport.errors import ConversionFailed
 from fxport.spec import parse_spec
 from fxport.workers.engine.exporters import file_sha256
-from fxport.workers.engine.exporters.fx_source import MODULE_CLASS, WEIGHTS_FILE, FxSourceFromGraphModule
+from fxport.workers.engine.exporters.fx_source import (
+    MODULE_CLASS,
+    WEIGHTS_FILE,
+    FxSourceFromGraphModule,
+    check_imports,
+)
 from fxport.workers.engine.pipeline import convert
+from tests.client.packaged import package_model
 from tests.models import get
 from tests.workers.engine.conftest import save_package, save_pt2, spec_dict
 
@@ -350,3 +357,173 @@ def test_the_runner_refuses_a_source_that_unpickles(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="unpickles"):
         FxSourceRunner(folder, MODULE_CLASS).activate()
     assert torch.load(folder / "w.pt", weights_only=True)["w"].sum() == 2  # put back afterwards
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions the graph calls as leaves (torch.fx.wrap)
+# ---------------------------------------------------------------------------------------------
+
+_PAD_VALUE = 0.0  # a global the wrapped function reads: module.py gets it as a literal
+
+
+def pad_to_even(x: torch.Tensor) -> torch.Tensor:
+    """H and W padded up to even sizes, as torchvision's swin `_patch_merging_pad` does. The test is
+    Python on sizes, which symbolic_trace cannot follow: torch.fx.wrap keeps the call a leaf."""
+    height, width = x.shape[-2:]
+    if height % 2 or width % 2:
+        x = nn.functional.pad(x, (0, width % 2, 0, height % 2), value=_PAD_VALUE)
+    return x
+
+
+torch.fx.wrap("pad_to_even")
+
+
+class PatchMerging(nn.Module):
+    """Swin's patch merging: pad to even, then each 2x2 patch's four pixels side by side, reduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.reduce = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = pad_to_even(self.conv(x))
+        merged = torch.cat([x[..., 0::2, 0::2], x[..., 1::2, 0::2], x[..., 0::2, 1::2], x[..., 1::2, 1::2]], dim=1)
+        return self.reduce(merged.permute(0, 2, 3, 1))
+
+
+def _top_level(source: str) -> tuple[set[str], list[str], list[str]]:
+    """module.py's top-level function names, import statements and bare calls."""
+    body = ast.parse(source).body
+    return ({n.name for n in body if isinstance(n, ast.FunctionDef)},
+            [ast.unparse(n) for n in body if isinstance(n, (ast.Import, ast.ImportFrom))],
+            [ast.unparse(n) for n in body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)])
+
+
+def test_a_wrapped_function_is_written_at_module_level_and_imports_anywhere(tmp_path: Path) -> None:
+    """pad_to_even lives in this test module, which no installed package holds: module.py carries a copy
+    of its source (a `from tests... import` would fail wherever this checkout is not on sys.path) and
+    its torch.fx.wrap call, both at module level. A fresh interpreter that cannot import this checkout
+    imports the source, runs it (both branches) and traces it again with the function still a leaf."""
+    model = PatchMerging().eval()
+    gm = torch.fx.symbolic_trace(model)
+    assert [n.meta.get("is_wrapped") for n in gm.graph.nodes if n.target is pad_to_even] == [True]
+    folder = tmp_path / "fx_source"
+    FxSourceFromGraphModule(gm)(folder)
+    source = (folder / "module.py").read_text()
+    functions, imports, calls = _top_level(source)
+    assert "pad_to_even" in functions and "_PAD_VALUE = 0.0" in source
+    assert not any("tests" in line for line in imports), imports
+    [wrap] = [c for c in calls if c.startswith("torch.fx.wrap(")]
+    assert "pad_to_even" in wrap
+
+    inputs = {"odd": torch.randn(2, 3, 7, 9), "even": torch.randn(2, 3, 6, 8)}
+    from safetensors.torch import load_file, save_file
+
+    save_file(inputs, str(tmp_path / "inputs.safetensors"))
+    script = textwrap.dedent(f"""
+        import importlib.util, sys
+        sys.dont_write_bytecode = True
+        import torch, safetensors.torch
+        assert importlib.util.find_spec("tests") is None, "this checkout is on sys.path"
+        spec = importlib.util.spec_from_file_location("fx_wrapped", {str(folder / "module.py")!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model = module.{MODULE_CLASS}()
+        inputs = safetensors.torch.load_file({str(tmp_path / "inputs.safetensors")!r})
+        with torch.no_grad():
+            outputs = {{key: model(x).contiguous() for key, x in inputs.items()}}
+        leaves = [n for n in torch.fx.symbolic_trace(model).graph.nodes
+                  if n.op == "call_function" and getattr(n.target, "__name__", "") == "pad_to_even"]
+        assert len(leaves) == 1, "traced again, the wrapped function is no leaf"
+        safetensors.torch.save_file(outputs, {str(tmp_path / "outputs.safetensors")!r})
+    """)
+    proc = subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outputs = load_file(str(tmp_path / "outputs.safetensors"))
+    with torch.no_grad():
+        for key, x in inputs.items():
+            torch.testing.assert_close(outputs[key], model(x), msg=key)
+
+
+_PACKAGED_MODEL = '''
+"""A model file on no sys.path, interned into a torch.package archive: its module is <torch_package_N>.NAME."""
+import torch
+from torch import nn
+
+SCALE = 0.5
+
+
+def halve_odd_batches(x):
+    if x.shape[0] % 2:
+        return x * SCALE
+    return x
+
+
+torch.fx.wrap("halve_odd_batches")
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(16, 8)
+        self.second = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.second(torch.relu(halve_odd_batches(self.first(x))))
+'''
+
+
+def test_a_wrapped_function_of_a_packaged_file_is_copied_and_verifies(tmp_path: Path) -> None:
+    """The model and its wrapped function come from a file that no process can import by name (as with
+    a script's `__main__`, or a torch.package archive's own code): `capture: fx` through the pipeline,
+    and fx_source verifies (batch 1 takes the odd branch) with the function's source in module.py."""
+    name = "fxport_wrapped_model"
+    model = package_model(_PACKAGED_MODEL, name, tmp_path / "src")
+    job = {"inputs": [{"name": "x", "shape": ["batch", 16], "dtype": "float32"}],
+           "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 4}}, "targets": ["fx_source"], "capture": "fx",
+           "verify": {"samples": 1}}
+    manifest = convert(model, parse_spec(job), tmp_path / "out", report=False)
+    assert manifest["status"] == "succeeded" and manifest["capture"]["method"] == "fx"
+    [record] = manifest["verification"]
+    assert record["format"] == "fx_source" and record["passed"], record
+    source = (tmp_path / "out" / "fx_source" / "module.py").read_text()
+    functions, imports, calls = _top_level(source)
+    assert "halve_odd_batches" in functions and "SCALE = 0.5" in source
+    assert not any("torch_package" in line or name in line for line in imports), imports
+    assert any(c.startswith("torch.fx.wrap(") and "halve_odd_batches" in c for c in calls), calls
+
+
+def test_a_wrapped_function_without_source_fails_naming_it(tmp_path: Path) -> None:
+    """A function made by exec has no source to copy, and its module imports nowhere: a clear refusal."""
+    namespace: dict[str, Any] = {"__name__": "made_by_exec"}
+    exec(compile(textwrap.dedent("""
+        import torch
+
+        def double_if_wide(x):
+            return x * 2 if x.shape[-1] > 4 else x
+
+        torch.fx.wrap("double_if_wide")
+
+        class Model(torch.nn.Module):
+            def forward(self, x):
+                return double_if_wide(x) + 1
+    """), "<made at runtime>", "exec"), namespace)
+    gm = torch.fx.symbolic_trace(namespace["Model"]())
+    with pytest.raises(ConversionFailed) as err:
+        FxSourceFromGraphModule(gm)(tmp_path / "out")
+    message = err.value.message
+    assert "made_by_exec.double_if_wide" in message and "source is not available" in message, message
+    assert err.value.stage == "export" and "capture: export" in (err.value.hint or "")
+
+
+def test_a_source_that_does_not_import_fails_naming_its_line(tmp_path: Path) -> None:
+    """The exporter imports what it wrote before anything verifies it: a failing line is named."""
+    (tmp_path / "module.py").write_text("import torch\n\nfrom fxport_no_such_package import helper\n")
+    with pytest.raises(ConversionFailed) as err:
+        check_imports(tmp_path / "module.py")
+    message = err.value.message
+    assert "line 3 `from fxport_no_such_package import helper`" in message, message
+    assert "ModuleNotFoundError" in message and err.value.stage == "export"
+    assert not (tmp_path / "__pycache__").exists()  # nothing stray beside the artifact

@@ -21,18 +21,38 @@ How each thing the graph reads gets into module.py:
   into the graph, so its tensors become get_attr reads of the top module;
 - a get_attr tensor is declared by shape (Parameter or buffer, as it was) and read from the file;
 - a get_attr non-tensor is written as a Python literal; one that has no literal form (a nested
-  graph, a ScriptObject, ...) fails the export naming the node and the attribute.
+  graph, a ScriptObject, ...) fails the export naming the node and the attribute;
+- a function the graph calls (a leaf kept by `torch.fx.wrap`, like torchvision's stochastic_depth) is
+  imported by name at the top of module.py when its module belongs to the standard library or to an
+  installed distribution, so it imports wherever the same packages are installed. Any other module
+  (`__main__`, a script's folder, a torch.package archive's `<torch_package_0>.*`, a checkout on
+  sys.path) may be missing where the source is loaded: the function's own source is copied into
+  module.py instead, with the globals it reads (imported, copied or written as literals by the same
+  rules). A function whose source cannot be had (made by exec, a lambda, a closure) fails the export
+  naming it. Each wrapped function gets its `torch.fx.wrap("name")` at module level, so tracing the
+  loaded module again keeps it a leaf (torch's `to_folder` wrote that call inside the class body,
+  where `wrap` refuses to run).
+
+The written module.py is imported once before the exporter returns: a source that cannot even be
+imported fails the fx_source target at once, naming its line.
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import builtins
+import dis
+import functools
 import importlib
+import importlib.util
 import inspect
 import keyword
 import math
 import os
+import sys
+import textwrap
+import traceback
 import types
 import warnings
 import weakref
@@ -49,7 +69,8 @@ MODULE_CLASS = "FxportModule"
 WEIGHTS_FILE = "weights.safetensors"
 _HINT = "drop 'fx_source' from targets to get the other artifacts"
 # names module.py defines itself: a graph global of the same name would shadow them
-_RESERVED = {"os", "safetensors", "WEIGHTS", "TIED", "_set", MODULE_CLASS}
+# ("annotations": `from __future__ import annotations` binds it where functions are copied)
+_RESERVED = {"os", "safetensors", "WEIGHTS", "TIED", "_set", "annotations", MODULE_CLASS}
 # vars() entries two modules may differ in and still compute the same (eval() is set after loading)
 _STATE_KEYS = {"_parameters", "_buffers", "_modules", "training"}
 
@@ -71,11 +92,46 @@ class FxSourceFromGraphModule:
         gm = _inline_unbuildable_modules(self.gm)
         source, tensors = _SourceWriter(gm, self.imports).write()
         (folder / "module.py").write_text(source)
+        check_imports(folder / "module.py")
         (folder / "__init__.py").write_text(f"from .module import {MODULE_CLASS}  # noqa: F401\n")
         _save_tensors(tensors, folder / WEIGHTS_FILE)
         # safetensors creates its file owner-only; give it the mode the source files got (the umask's)
         os.chmod(folder / WEIGHTS_FILE, (folder / "module.py").stat().st_mode & 0o777)
         return folder
+
+
+def check_imports(path: Path) -> None:
+    """Import the written module.py once, as a module of its own (nothing else sees it): a source that
+    cannot even be imported fails the fx_source target here, naming the line, rather than later in
+    verification or on the user's machine. Its class is not built: verification does that."""
+    name = f"_fxport_fx_source_check_{os.getpid()}_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    # no __pycache__ inside the artifact folder: it would ship as stray files
+    writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        lineno = exc.lineno if isinstance(exc, SyntaxError) else _line_in(exc, path)
+        lines = path.read_text().splitlines()
+        where = f"line {lineno} `{lines[lineno - 1].strip()}`" if lineno and 0 < lineno <= len(lines) else "it"
+        raise ConversionFailed(
+            f"fx_source: the written {path.name} does not import: {where} raised {type(exc).__name__}: "
+            f"{_first_line(exc)}", stage="export",
+            hint="a missing module on that line must be installed where the source is made and loaded; or "
+                 f"capture the model at aten level (spec `capture: export`); or {_HINT}",
+        ) from exc
+    finally:
+        sys.modules.pop(name, None)
+        sys.dont_write_bytecode = writes_bytecode
+
+
+def _line_in(exc: BaseException, path: Path) -> int | None:
+    """The line of `path` the exception passed through last (the failing statement of module.py)."""
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+    return lines[-1] if lines else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +205,7 @@ def _constructor_source(module: nn.Module, callee: str) -> tuple[str | None, str
     params = _init_parameters(type(module))
     if params is None:
         return None, f"{callee}'s constructor has no named parameters"
-    why = "no argument list"
+    why: str | None = "no argument list"
     # LSTM(*args, **kwargs) passes its own first argument (mode) to RNNBase: try without it too
     for skip in (0, 1):
         args = _arguments(module, params[skip:])
@@ -175,7 +231,7 @@ def _init_parameters(cls: type) -> list[inspect.Parameter] | None:
         if klass is nn.Module or "__init__" not in vars(klass):
             continue
         try:
-            params = list(inspect.signature(klass.__init__).parameters.values())[1:]
+            params = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[1:]
         except (TypeError, ValueError):
             return None
         named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -220,7 +276,8 @@ _ARGUMENTS_ELSEWHERE: dict[type, dict[str, str]] = {
     nn.TransformerEncoder: {"encoder_layer": "layers.0"},
     nn.TransformerDecoder: {"decoder_layer": "layers.0"},
     nn.Transformer: {"num_encoder_layers": "encoder.num_layers", "num_decoder_layers": "decoder.num_layers",
-                     **{k: f"encoder.layers.0.{v}" for k, v in _LAYER_ARGUMENTS.items() if k not in ("d_model", "nhead")},
+                     **{k: f"encoder.layers.0.{v}" for k, v in _LAYER_ARGUMENTS.items()
+                        if k not in ("d_model", "nhead")},
                      "activation": "encoder.layers.0.activation", "norm_first": "encoder.layers.0.norm_first"},
 }
 
@@ -247,8 +304,9 @@ def _argument(value: Any) -> str:
             raise _NotLiteral(f"{type(value).__module__}.{type(value).__qualname__}")
         return call
     if callable(value) and not isinstance(value, type):
-        if getattr(torch.nn.functional, getattr(value, "__name__", ""), None) is value:
-            return f"torch.nn.functional.{value.__name__}"
+        name = getattr(value, "__name__", "")
+        if name and getattr(torch.nn.functional, name, None) is value:
+            return f"torch.nn.functional.{name}"
         module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
         if isinstance(module, str) and module.startswith("torch.") and isinstance(qualname, str) \
                 and _resolve(module, qualname) is value:
@@ -464,9 +522,9 @@ class _SourceWriter:
         source = self._module_text(globals_, forward, init, tied)
         return source, stored
 
-    def _forward_code(self) -> tuple[str, list[str]]:
+    def _forward_code(self) -> tuple[str, _ModuleGlobals]:
         """forward() as FX writes it (without type annotations: they name types the file would have to
-        import for nothing) and the import lines for the globals it uses."""
+        import for nothing) and the top-level names of module.py its globals need."""
         graph = self.gm.graph
         types_ = {n: n.type for n in graph.nodes}
         try:
@@ -478,27 +536,19 @@ class _SourceWriter:
                 n.type = t
         src = code.src
         start = src.find("def forward(")
-        # what precedes forward is `wrap("fn")` for functions traced as leaves: only re-tracing needs it
+        # what precedes forward is FX's `wrap("fn")` for functions traced as leaves: _ModuleGlobals
+        # writes those at module level itself
         src = src[start:].rstrip() + "\n"
         used = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
-        lines = []
+        wrapped = {id(n.target) for n in graph.nodes if n.op == "call_function" and n.meta.get("is_wrapped")}
+        names = _ModuleGlobals()
         for name in sorted(used & set(code.globals)):
             obj = code.globals[name]
-            if name in _RESERVED:
-                raise ConversionFailed(f"fx_source: the graph uses a global named {name!r}, a name module.py "
-                                       "defines itself", stage="export", hint=_HINT)
-            line = _import_line(name, obj)
-            if line is None:
-                users = [n.name for n in graph.nodes if n.op == "call_function" and n.target is obj]
-                where = f" (node {users[0]!r})" if users else ""
-                raise ConversionFailed(
-                    f"fx_source: the graph calls {name!r}{where}, {_describe(obj)}, which cannot be imported by "
-                    "name where the source runs", stage="export",
-                    hint="make it importable (a function of an installed package), or capture the model at "
-                         f"aten level (spec `capture: export`); or {_HINT}")
-            if line:
-                lines.append(line)
-        return src, lines
+            users = [n.name for n in graph.nodes if n.op == "call_function" and n.target is obj]
+            names.bind(name, obj, "the graph" + (f" (node {users[0]!r})" if users else ""))
+            if id(obj) in wrapped:
+                names.wrapped.append(name)
+        return src, names
 
     def _init_body(self, modules: dict[str, str], declared: dict[str, torch.Tensor],
                    constants: dict[str, str]) -> list[str]:
@@ -528,8 +578,8 @@ class _SourceWriter:
         ]
         return body
 
-    def _module_text(self, imports: list[str], forward: str, init: list[str], tied: dict[str, str]) -> str:
-        imports = list(dict.fromkeys(["import torch", *imports]))
+    def _module_text(self, names: _ModuleGlobals, forward: str, init: list[str], tied: dict[str, str]) -> str:
+        imports = list(dict.fromkeys(["import torch", *names.imports]))
         extra = [i for i in self.imports if i not in imports]
         if "torch.ops.quantized_decomposed" in forward and not any("_decomposed" in i for i in extra):
             extra.append("import torch.ao.quantization.fx._decomposed  # defines torch.ops.quantized_decomposed")
@@ -537,6 +587,8 @@ class _SourceWriter:
         init_text = "\n".join(" " * 8 + line for line in init)
         forward_text = "\n".join(("    " + line) if line else "" for line in forward.splitlines())
         import_text = "\n".join(["import safetensors.torch", *imports, *extra])
+        # a copied function's annotations name types module.py need not import: never evaluate them
+        future = "from __future__ import annotations\n\n" if names.copied else ""
         return f'''"""FX source written by fxport: readable, editable PyTorch.
 
     from module import {MODULE_CLASS}   # with this folder on sys.path
@@ -547,14 +599,14 @@ Loading runs no pickle: the tensors come from {WEIGHTS_FILE} (safetensors), the 
 from their constructor arguments below.
 """
 
-import os
+{future}import os
 
 {import_text}
 
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "{WEIGHTS_FILE}")
 # tensors stored once, under their first name, and used under these names too
 TIED = {tied_text}
-
+{names.definitions_text()}
 
 class {MODULE_CLASS}(torch.nn.Module):
     def __init__(self, weights: str = WEIGHTS) -> None:
@@ -577,6 +629,141 @@ def _set(root: torch.nn.Module, path: str, value: object) -> None:
     else:
         setattr(root, name, value)
 '''
+
+
+class _ModuleGlobals:
+    """The names module.py binds at its top level for the code it runs (forward(), and the functions it
+    copies), each bound once to one object: by an import line where the object's module is importable
+    wherever the source loads (`_importable_where_loaded`), else by a copy of the function's source,
+    else by a literal. Anything else fails the export naming the name and who uses it."""
+
+    def __init__(self) -> None:
+        self.bound: dict[str, Any] = {"os": os, "torch": torch}  # module.py imports these itself
+        self.imports: list[str] = []
+        self.constants: list[str] = []  # `NAME = literal`, read by copied functions
+        self.copied: list[str] = []  # function definitions, each under a comment saying where it came from
+        self.aliases: list[str] = []  # `graph_name = function_name`
+        self.wrapped: list[str] = []  # names torch.fx.wrap keeps as leaves when module.py is traced again
+
+    def bind(self, name: str, obj: Any, user: str) -> None:
+        if name in self.bound:
+            if self.bound[name] is obj:
+                return
+            raise ConversionFailed(
+                f"fx_source: {user} uses the global {name!r} ({_describe(obj)}), a name module.py already binds "
+                f"to {_describe(self.bound[name])}", stage="export",
+                hint=f"rename one of them in the model's code; or {_HINT}")
+        if name in _RESERVED:
+            raise ConversionFailed(f"fx_source: {user} uses a global named {name!r}, a name module.py defines "
+                                   "itself", stage="export", hint=f"rename it in the model's code; or {_HINT}")
+        self.bound[name] = obj
+        line = _import_line(name, obj)
+        if line is not None:
+            if line:
+                self.imports.append(line)
+        elif isinstance(obj, types.FunctionType):
+            self._copy(name, obj, user)
+        else:
+            try:
+                self.constants.append(f"{name} = {_literal(obj)}")
+            except _NotLiteral:
+                raise ConversionFailed(
+                    f"fx_source: {user} uses {name!r}, {_describe(obj)}, which cannot be imported by name where "
+                    "the source runs (its module is not part of an installed package or the standard library), "
+                    "and is neither a function whose source can be copied nor a literal", stage="export",
+                    hint="make it importable (a function of an installed package), or capture the model at "
+                         f"aten level (spec `capture: export`); or {_HINT}") from None
+
+    def _copy(self, name: str, fn: types.FunctionType, user: str) -> None:
+        """Write `fn`'s own source into module.py (under its own name; `name = fn` when the graph calls it
+        by another), then bind the globals it reads."""
+        if fn.__name__ != name:
+            self.bind(fn.__name__, fn, user)
+            self.aliases.append(f"{name} = {fn.__name__}")
+            return
+        source, reads = _function_source(fn)
+        if isinstance(reads, str):
+            raise ConversionFailed(
+                f"fx_source: {user} calls {_describe(fn)}, whose module cannot be imported where the source runs "
+                f"(it is not part of an installed package or the standard library), and whose source cannot be "
+                f"copied into module.py: {reads}", stage="export",
+                hint=f"define {fn.__name__!r} at the top level of a module file (or of an installed package); or "
+                     f"capture the model at aten level (spec `capture: export`); or {_HINT}")
+        self.copied.append(f"# {fn.__name__}: copied from module {fn.__module__}, which the loading process may "
+                           f"not be able to import\n{source}")
+        for global_name in reads:
+            if global_name in fn.__globals__:
+                self.bind(global_name, fn.__globals__[global_name], f"function {_describe(fn)}")
+            # else a builtin, or a name its own module lacks too: the copy behaves as the original does
+
+    def definitions_text(self) -> str:
+        """What module.py defines between its imports and its class ('' when nothing)."""
+        parts = []
+        if self.constants:
+            parts.append("# globals the copied functions read\n" + "\n".join(self.constants))
+        parts += self.copied
+        if self.aliases:
+            parts.append("\n".join(self.aliases))
+        if self.wrapped:
+            parts.append("# functions the graph calls as leaves: tracing this module again keeps them so\n"
+                         + "\n".join(f'torch.fx.wrap("{name}")' for name in self.wrapped))
+        return "".join(f"\n\n{part}\n" for part in parts)
+
+
+def _function_source(fn: types.FunctionType) -> tuple[str, list[str] | str]:
+    """(`def ...` source of `fn` without its decorators, the global names it reads), or ('', why not)."""
+    if fn.__qualname__ != fn.__name__ or fn.__name__ == "<lambda>":
+        return "", ("it is not a function defined at the top level of its module (a lambda, a nested "
+                    "function or a method)")
+    if fn.__closure__:
+        return "", f"it is a closure over {', '.join(fn.__code__.co_freevars)}"
+    if inspect.unwrap(fn) is not fn:
+        return "", "it is a decorator's wrapper around another function"
+    try:
+        text = textwrap.dedent("".join(inspect.getsourcelines(fn)[0]))
+        node = ast.parse(text).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return "", "its source is not available (made by exec or in an interactive session, or its file is gone)"
+    if not isinstance(node, ast.FunctionDef) or node.name != fn.__name__:
+        return "", "its source does not start with its `def`"
+    text = "\n".join(text.splitlines()[node.lineno - 1:]).rstrip()  # decorators left out
+    if not _compiles_to(text, fn):
+        return "", f"its source file ({inspect.getsourcefile(fn)}) no longer holds the code that ran (edited since)"
+    for imp in ast.walk(node):
+        if isinstance(imp, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in imp.names] if isinstance(imp, ast.Import) else [imp.module or ""]
+            if isinstance(imp, ast.ImportFrom) and imp.level or not all(map(_importable_where_loaded, modules)):
+                return "", (f"it imports {', '.join(modules) or 'from its own package'} (line "
+                            f"{imp.lineno - node.lineno + 1} of it), which the loading process may not have")
+    reads: dict[str, None] = {}
+    code_objects = [fn.__code__]
+    while code_objects:
+        code = code_objects.pop()
+        reads.update((i.argval, None) for i in dis.get_instructions(code) if i.opname.endswith("_GLOBAL"))
+        code_objects.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    for default in [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]:
+        reads.update((n.id, None) for n in ast.walk(default) if isinstance(n, ast.Name))
+    return text, list(reads)
+
+
+def _compiles_to(text: str, fn: types.FunctionType) -> bool:
+    """Whether `text` compiles to `fn`'s code (its file may have been edited since it was imported):
+    the same names, arguments, locals and constants at every depth. Not the bytecode itself, which
+    depends on the module around the function (3.11 calls a method of an imported module another way)."""
+    flags = fn.__code__.co_flags & __future__.annotations.compiler_flag
+    try:
+        module_code = compile(text, "<copy>", "exec", flags=flags, dont_inherit=True)
+    except SyntaxError:
+        return False
+    code = next((c for c in module_code.co_consts if isinstance(c, types.CodeType)), None)
+    return code is not None and _code_shape(code) == _code_shape(fn.__code__)
+
+
+def _code_shape(code: types.CodeType) -> tuple[Any, ...]:
+    consts = tuple(_code_shape(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
+                   for c in code.co_consts)
+    return (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_varnames, code.co_names,
+            code.co_freevars, code.co_cellvars, consts)
 
 
 def _plain_name(path: str) -> bool:
@@ -605,7 +792,7 @@ def _import_line(name: str, obj: Any) -> str | None:
     if getattr(builtins, name, None) is obj:
         return ""
     if isinstance(obj, types.ModuleType):
-        if _resolve(obj.__name__, "") is not obj:
+        if not _importable_where_loaded(obj.__name__) or _resolve(obj.__name__, "") is not obj:
             return None
         return f"import {obj.__name__}" if name == obj.__name__ else f"import {obj.__name__} as {name}"
     module = getattr(obj, "__module__", None)
@@ -613,12 +800,28 @@ def _import_line(name: str, obj: Any) -> str | None:
     if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
         return None
     for mod in dict.fromkeys([module, module.lstrip("_")]):  # _operator → operator
-        if _resolve(mod, qualname) is obj:
+        if _importable_where_loaded(mod) and _resolve(mod, qualname) is obj:
             top, _, rest = qualname.partition(".")
             if not rest:
                 return f"from {mod} import {top}" if top == name else f"from {mod} import {top} as {name}"
             return f"import {mod}\n{name} = {mod}.{qualname}"
     return None
+
+
+def _importable_where_loaded(module: str) -> bool:
+    """Whether module.py may import `module` by name: the standard library's modules and those of an
+    installed distribution exist wherever the same packages are installed. Any other (`__main__`, a
+    script's folder, a checkout on sys.path, a torch.package archive's `<torch_package_0>.*`) is
+    importable here, perhaps, but not where the source is loaded."""
+    top = module.partition(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names or top in _installed_top_levels()
+
+
+@functools.cache
+def _installed_top_levels() -> frozenset[str]:
+    from importlib.metadata import packages_distributions
+
+    return frozenset(packages_distributions())
 
 
 def _resolve(module: str, qualname: str) -> Any:
