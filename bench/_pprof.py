@@ -103,7 +103,7 @@ def parse(data: bytes) -> CpuProfile:
     raw_samples: list[tuple[list[int], list[int]]] = []
     locations: dict[int, list[int]] = {}
     functions: dict[int, int] = {}
-    for number, wire, value in _fields(data):
+    for number, _wire, value in _fields(data):
         if number == 6 and isinstance(value, bytes):  # string_table
             strings.append(value.decode(errors="replace"))
         elif number == 2 and isinstance(value, bytes):  # sample

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import platform
 import os
+import platform
 import re
 from pathlib import Path
 

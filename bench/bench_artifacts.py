@@ -61,7 +61,8 @@ def main() -> None:
     med = statistics.median
     added = [w - wo for w, wo in zip(walls["with"], walls["without"])]
     rows = [f"| {r['artifact']} | {r['runtime']} | {r['batch']} | {r['p50_ms']:.2f} | {r['p95_ms']:.2f} | "
-            f"{rate(r['throughput_per_s'])} | {r['speedup_vs_eager']:.2f}× | {r['peak_rss_mib']:.0f} MiB | {r['runs']} |"
+            f"{rate(r['throughput_per_s'])} | {r['speedup_vs_eager']:.2f}× | {r['peak_rss_mib']:.0f} MiB | "
+            f"{r['runs']} |"
             for r in table(bench)]
     pick = bench["recommendation"]
     skipped = [f"- skipped: {s['artifact']} at batch {s['batch']}: {s['reason']}" for s in bench["skipped"]]

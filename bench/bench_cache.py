@@ -130,7 +130,7 @@ class EngineWait:
             if self._stop.wait(0.2):
                 return
 
-    def __enter__(self) -> "EngineWait":
+    def __enter__(self) -> EngineWait:
         self._thread.start()
         return self
 
@@ -279,8 +279,9 @@ def _store_traffic_process(conn: Any, bucket: str, endpoint: str) -> None:
         elif cmd[0] == "job":
             out, tenant, job_id = Path(cmd[1]), cmd[2], cmd[3]
             down, fetches = out.parent / f"{out.name}-down", []
+            # the callback outlives this command (it runs on the upload thread): bind this job's fetches and folder
             early = EarlyUpload(store, tenant, job_id, out, out.parent / f"{out.name}-spool",
-                                on_stored=lambda name, stored: fetches.append(
+                                on_stored=lambda name, stored, fetches=fetches, down=down: fetches.append(
                                     pool.submit(store.get, stored.key, down / name)))
         elif cmd[0] == "offer":
             early.offer()
@@ -500,7 +501,14 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from fxport.client import Client
-    from tests.fixtures.servers import free_ports, start_api, start_distributed, start_redis, start_seaweed, start_worker
+    from tests.fixtures.servers import (
+        free_ports,
+        start_api,
+        start_distributed,
+        start_redis,
+        start_seaweed,
+        start_worker,
+    )
 
     with tempfile.TemporaryDirectory(prefix="fxport-bench-cache-") as tmp, contextlib.ExitStack() as running:
         work = Path(tmp)
@@ -579,7 +587,8 @@ def main() -> None:
                 # The machine's speed drifts within a minute: each run's baseline is the mean of an
                 # in-process conversion before the other paths and one after them.
                 t2, _ = engine_in_process(resnets_in2[i], work / f"in2-{i}")
-                print(f"  run {i}: in-process {t:.2f} s and {t2:.2f} s, sandbox {b:.2f} s, full stack {s['total']:.2f} s "
+                print(f"  run {i}: in-process {t:.2f} s and {t2:.2f} s, sandbox {b:.2f} s, "
+                      f"full stack {s['total']:.2f} s "
                       f"(downloads after the job: {late['total']:.2f} s; file store: {fs['total']:.2f} s; "
                       f"engine with the store's traffic: {traffic:.2f} s)", flush=True)
                 if i:
@@ -674,7 +683,8 @@ def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[s
     in_eng = {s: med([e.get(s, 0.0) for e in engine_stages]) for s in ENGINE_STAGES}
     serial = m("submit") + max(0.0, m("queued")) + stage("load") - in_eng["load"] + stage("upload") + m("notify") \
         + m("download")
-    export_lo, export_hi = min(e.get("export", 0.0) for e in engine_stages), max(e.get("export", 0.0) for e in engine_stages)
+    export_lo = min(e.get("export", 0.0) for e in engine_stages)
+    export_hi = max(e.get("export", 0.0) for e in engine_stages)
     rows = [
         ("client: sha256, CheckUpload, the model PUT straight into S3 (presigned), SubmitJob", m("submit"), 0.0),
         ("queued: API → Redis → a worker takes it", max(0.0, m("queued")), 0.0),
@@ -830,7 +840,7 @@ report.html) and {tiny['sandboxed'] * 1000:.0f} ms in a warm sandbox (fork of a 
 result hand-over, exit). The rest of a worker's share is the job's bookkeeping (Celery, the job
 lease, record updates, fetching the model and storing 4 objects in S3); the API's is CheckUpload,
 SubmitJob, the cache lookups and WatchJob.
-"""
+"""  # noqa: E501 - a markdown report: its table rows and paragraphs are single lines on purpose
     print(md)
     if not args.no_write:
         write_section("speed", md)

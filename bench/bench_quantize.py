@@ -1,4 +1,5 @@
-"""Quantization benchmark (issues 6, 20): ResNet-18 at 224x224, fxport int8 in each scheme vs onnxruntime's quantize_static.
+"""Quantization benchmark (issues 6, 20): ResNet-18 at 224x224, fxport int8 in each scheme vs
+onnxruntime's quantize_static.
 
 Both quantize the same model with the same calibration samples and are judged on the same
 held-out samples against fp32 eager: cosine of the logits and top-1 agreement. Latency at
@@ -20,8 +21,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,8 +77,13 @@ def ort_session(path: Path) -> Any:
 def ort_quantize_static(fp32: Path, out: Path, calibration: np.ndarray, *, symmetric: bool,
                         method: str = "MinMax") -> Path:
     """onnxruntime's own static QDQ quantization: per-channel int8 weights, `method` calibration."""
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_static)
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     class Reader(CalibrationDataReader):

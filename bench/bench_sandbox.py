@@ -60,8 +60,9 @@ def malloc_settings_side_by_side(work: Path) -> list[str]:
     import torch
 
     from bench.bench_cache import save_variant
-    from fxport.workers.sandbox import launch as sandbox, run_engine_job
     from fxport.workers.engine.pipeline import convert
+    from fxport.workers.sandbox import launch as sandbox
+    from fxport.workers.sandbox import run_engine_job
 
     torch.set_num_threads(1)
     os.environ["FXPORT_SANDBOX_MODE"], os.environ["FXPORT_SANDBOX_THREADS"] = "warm", "1"
@@ -90,7 +91,8 @@ def malloc_settings_side_by_side(work: Path) -> list[str]:
     med = statistics.median
     base = med(r[0] for r in rows["in-process engine"])
     table = [f"| {k} | {med(r[0] for r in v):.2f} | {med(r[0] for r in v) / base:.3f}× | "
-             + ("— | — |" if k == "in-process engine" else f"{med(r[2] for r in v) / 1000:.0f}k | {med(r[1] for r in v):.2f} |")
+             + ("— | — |" if k == "in-process engine"
+                else f"{med(r[2] for r in v) / 1000:.0f}k | {med(r[1] for r in v):.2f} |")
              for k, v in rows.items()]
     return [
         "", "### ResNet-18: the sandbox child's malloc", "",
@@ -118,8 +120,9 @@ def own_cpu(pid: int) -> float:
 
 
 def main() -> None:
-    from fxport.workers.sandbox import launch as sandbox, run_engine_job
     from fxport.workers.engine.pipeline import convert
+    from fxport.workers.sandbox import launch as sandbox
+    from fxport.workers.sandbox import run_engine_job
 
     case = get("tiny_linear")
     # TorchScript: the ONNX exporter's ~0.7 s per tiny model would bury the sandbox's own cost.

@@ -211,7 +211,7 @@ store, since by default a model this large goes from the client straight to S3):
 The API server's peak RSS grew by {up['after_hwm'] - up['before_hwm']:.0f} MiB for a {mib:.0f} MiB upload:
 chunks go to a spool file with a running sha256, then to S3 as a multipart upload, so memory is
 bounded by the chunk and multipart buffers, not by the model size.
-"""
+"""  # noqa: E501 - a markdown report: its paragraphs are single lines on purpose
     print(md)
     write_section("service", md)
 

@@ -32,8 +32,9 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -108,7 +109,8 @@ def environment() -> dict[str, Any]:
     if not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA device (a CPU-only torch wheel, or no driver)")
     identity = probe_device_identity()
-    return {"gpu": torch.cuda.get_device_name(0), "compute_capability": "%d.%d" % torch.cuda.get_device_capability(0),
+    return {"gpu": torch.cuda.get_device_name(0),
+            "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(0)),
             "tensorrt": trt.__version__, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
             "cuda_driver": cuda_driver_version(), "timing_cache_key": cache_key(identity, None) if identity else None}
 
@@ -271,7 +273,7 @@ def write_docs(data: dict[str, Any]) -> None:
     from bench._report import write_section
 
     env = data.get("environment", {})
-    lines = [f"## TensorRT (bench/gpu_check.py)\n",
+    lines = ["## TensorRT (bench/gpu_check.py)\n",
              f"{env.get('gpu')} (compute capability {env.get('compute_capability')}), TensorRT {env.get('tensorrt')}, "
              f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), driver CUDA {env.get('cuda_driver')}; "
              f"{data.get('machine')}. ResNet-18, 224x224, dynamic batch {BATCH[0]}..{BATCH[2]}.\n",

@@ -13,14 +13,20 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import grpc
 
 from fxport.client.errors import (
-    IntegrityError, JobNotFound, RequestRefused, ServerUnreachable, TooLarge, WaitTimeout,
+    IntegrityError,
+    JobNotFound,
+    RequestRefused,
+    ServerUnreachable,
+    TooLarge,
+    WaitTimeout,
     from_rpc_error,
 )
 from fxport.digest import sha256_file, write_checked
@@ -143,7 +149,7 @@ class JobEvent:
         return self.state in TERMINAL
 
     @classmethod
-    def from_pb(cls, ev: pb.JobEvent) -> "JobEvent":
+    def from_pb(cls, ev: pb.JobEvent) -> JobEvent:
         return cls(seq=ev.seq, job_id=ev.job_id, state=_state_name(ev.state), stage=ev.stage,
                    progress=ev.progress, message=ev.message, time=_ts(ev, "time"),
                    staged=_artifact_dict(ev.staged) if ev.HasField("staged") else None)
@@ -156,7 +162,7 @@ class JobEvent:
 class Job:
     """A job on the server. Attributes reflect the last fetch; `refresh()` re-reads."""
 
-    def __init__(self, client: "Client", message: pb.Job) -> None:
+    def __init__(self, client: Client, message: pb.Job) -> None:
         self._client = client
         self._msg = message
         # Set by Client.submit: {"sent_bytes": N, "skipped": "cache_hit" | "model_stored" | None,
@@ -237,11 +243,11 @@ class Job:
         return out
 
     # -- calls -----------------------------------------------------------------------------
-    def refresh(self) -> "Job":
+    def refresh(self) -> Job:
         self._msg = self._client._call(self._client._stub.GetJob, pb.GetJobRequest(job_id=self.id))
         return self
 
-    def cancel(self) -> "Job":
+    def cancel(self) -> Job:
         self._msg = self._client._call(self._client._stub.CancelJob, pb.CancelJobRequest(job_id=self.id))
         return self
 
@@ -280,12 +286,12 @@ class Job:
                 if time.monotonic() - down_since > c.reconnect_s:
                     raise from_rpc_error(err, c.target) from None
             # The stream ended without a terminal event (server restart) or dropped: resume.
-            pause = backoff if remaining is None else min(backoff, max(0.0, deadline - time.monotonic()))
+            pause = backoff if deadline is None else min(backoff, max(0.0, deadline - time.monotonic()))
             time.sleep(pause)
             backoff = min(backoff * 2, 5.0)
 
     def wait(self, timeout: float | None = None, on_event: Callable[[JobEvent], Any] | None = None,
-             download_to: str | os.PathLike[str] | None = None) -> "Job":
+             download_to: str | os.PathLike[str] | None = None) -> Job:
         """Block until the job is SUCCEEDED, FAILED or CANCELLED; WaitTimeout after `timeout` s.
 
         `download_to`: then fetch what the finished job lists into that folder, as `download`
@@ -305,6 +311,7 @@ class Job:
                 if on_event is not None:
                     on_event(event)
             if early is not None:
+                assert dest is not None  # early downloads run only with a destination
                 self.downloaded = self._download_outcome(dest, early.finish())
         return self
 
@@ -371,7 +378,7 @@ class _EarlyDownloads:
         self._lock = threading.Lock()
         self._fetched: dict[str, tuple[Path, str]] = {}
 
-    def __enter__(self) -> "_EarlyDownloads":
+    def __enter__(self) -> _EarlyDownloads:
         return self
 
     def fetch(self, art: dict[str, Any]) -> None:
@@ -470,7 +477,7 @@ class Client:
         self._stub = pb_grpc.ConversionServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -547,7 +554,8 @@ class Client:
                 "calibration": check.calibration_present or check.cache_hit}
         # Bytes the server offered a presigned PUT for go straight to the store; then they are stored.
         direct = {"model": False, "calibration": False}
-        for kind, path, offer in (("model", model, check.model_upload), ("calibration", calib, check.calibration_upload)):
+        offers = (("model", model, check.model_upload), ("calibration", calib, check.calibration_upload))
+        for kind, path, offer in offers:
             if path is not None and not skip[kind] and offer.url and self._direct_upload_works is not False:
                 skip[kind] = direct[kind] = self._put_direct(path, offer)
         sent = [(model_size if direct["model"] else 0) + (calib_size if direct["calibration"] else 0)]
@@ -566,7 +574,8 @@ class Client:
                 while data := f.read(self.chunk_size):
                     h.update(data)
                     sent[0] += len(data)
-                    yield pb.SubmitJobRequest(**{kind: data})
+                    chunk: dict[str, Any] = {kind: data}  # the oneof field: model_chunk or calibration_chunk
+                    yield pb.SubmitJobRequest(**chunk)
             if h.hexdigest() != expected:  # the server refuses it too; say why here
                 changed.append(str(path))
 
@@ -634,7 +643,8 @@ class Client:
         try:
             enum_states = [pb.JobState.Value("JOB_STATE_" + s.upper().removeprefix("JOB_STATE_")) for s in states or ()]
         except ValueError:
-            raise InvalidInput(f"unknown state in {states}; valid: {', '.join(TERMINAL + ('QUEUED', 'RUNNING'))}") from None
+            valid = ", ".join(TERMINAL + ("QUEUED", "RUNNING"))
+            raise InvalidInput(f"unknown state in {states}; valid: {valid}") from None
         resp = self._call(self._stub.ListJobs, pb.ListJobsRequest(
             page_size=page_size, page_token=page_token, states=enum_states, labels=dict(labels or {})))
         return JobPage([Job(self, m) for m in resp.jobs], resp.next_page_token)

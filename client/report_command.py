@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import webbrowser
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -16,7 +15,7 @@ from fxport.errors import EXIT_OK, EXIT_USAGE
 def report_command(
     manifest: Path = typer.Argument(..., help="A job's manifest.json (from `fxport convert` or "
                                     "`fxport jobs download`)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the report; default: report.html "
+    out: Path | None = typer.Option(None, "--out", "-o", help="Where to write the report; default: report.html "
                                        "beside the manifest."),
     open_browser: bool = typer.Option(False, "--open", help="Open the report in the default browser."),
 ) -> None:
@@ -26,12 +25,14 @@ def report_command(
     err = Console(stderr=True)
     try:
         path = write_report(manifest, out)
-    except FileNotFoundError:
-        err.print(f"[red]fxport report: error:[/] manifest {str(manifest)!r} does not exist", highlight=False, soft_wrap=True)
-        raise typer.Exit(EXIT_USAGE)
+    except FileNotFoundError as exc:
+        err.print(f"[red]fxport report: error:[/] manifest {str(manifest)!r} does not exist",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_USAGE) from exc
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
-        err.print(f"[red]fxport report: error:[/] {manifest} is not a readable manifest.json: {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(EXIT_USAGE)
+        err.print(f"[red]fxport report: error:[/] {manifest} is not a readable manifest.json: {exc}",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_USAGE) from exc
     print(path)
     if open_browser:
         webbrowser.open(path.resolve().as_uri())

@@ -7,7 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fxport.benchmark import rate, table as table_rows
+from fxport.benchmark import rate
+from fxport.benchmark import table as table_rows
 from fxport.isolation import describe_layers
 
 
@@ -33,7 +34,8 @@ def render_manifest(manifest: dict[str, Any], console: Console) -> None:
 
     by_format: dict[str, dict[str, Any]] = {}
     for art in manifest.get("artifacts", []):
-        entry = by_format.setdefault(art["format"], {"path": art["path"], "bytes": 0, "sha256": art["sha256"], "files": 0})
+        entry = by_format.setdefault(art["format"],
+                                     {"path": art["path"], "bytes": 0, "sha256": art["sha256"], "files": 0})
         entry["bytes"] += art["bytes"]
         entry["files"] += 1
         if entry["files"] > 1:
@@ -51,7 +53,8 @@ def render_manifest(manifest: dict[str, Any], console: Console) -> None:
             cols = ["", "", ""]
         else:
             parity = "[green]pass[/]" if v.get("passed") else f"[red]FAIL[/] {v.get('error', '')}"
-            cols = [f"{v.get('max_abs_diff', 0):.1e}", f"{v.get('cosine', 0):.6f}", str(len(v.get("shapes_checked", [])))]
+            cols = [f"{v.get('max_abs_diff', 0):.1e}", f"{v.get('cosine', 0):.6f}",
+                    str(len(v.get("shapes_checked", [])))]
         digest = art["sha256"][:10] + ("" if art["files"] == 1 else f" +{art['files'] - 1}")
         table.add_row(art["path"], _size(art["bytes"]), digest, *cols, parity)
     console.print(table)
@@ -86,7 +89,8 @@ def render_quantization(quant: dict[str, Any], console: Console) -> None:
     source = "[yellow]random samples[/]" if cal.get("source") == "random" else "file"
     runtime = quant.get("runtime")
     scheme = f"{runtime} scheme, " if runtime else ""
-    line = (f"[bold]int8[/] ({scheme}{quant.get('observer')} observer; calibration: {source}, {cal.get('samples')} samples, "
+    line = (f"[bold]int8[/] ({scheme}{quant.get('observer')} observer; "
+            f"calibration: {source}, {cal.get('samples')} samples, "
             f"{cal.get('held_out')} held out) — end-to-end cosine {_num(e2e.get('cosine'), '{:.5f}')}, "
             f"top-1 agreement {_num(e2e.get('top1_agreement'), '{:.3f}')}")
     if quant.get("target_cosine") is not None:
@@ -95,7 +99,8 @@ def render_quantization(quant: dict[str, Any], console: Console) -> None:
     console.print(line)
     layers = sorted(quant.get("layers", []), key=lambda r: r.get("sqnr_db", 0.0))
     if layers:
-        console.print(f"per-layer error on held-out data, worst {min(len(layers), QUANT_ROWS)} of {len(layers)} layers:")
+        worst = min(len(layers), QUANT_ROWS)
+        console.print(f"per-layer error on held-out data, worst {worst} of {len(layers)} layers:")
         table = Table()
         for col in ("layer", "SQNR dB", "cosine", "kept as"):
             table.add_column(col)

@@ -10,7 +10,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -28,7 +27,7 @@ def _entry_or_exit(tenant: str, token: str) -> str:
         return token_entry(tenant, token)
     except ValueError as exc:
         _err.print(f"[red]fxport tokens: error:[/] {exc}")
-        raise typer.Exit(EXIT_USAGE)
+        raise typer.Exit(EXIT_USAGE) from exc
 
 
 def _append(path: Path, line: str) -> None:
@@ -46,7 +45,7 @@ def _append(path: Path, line: str) -> None:
 @tokens_app.command("new")
 def tokens_new(
     tenant: str = typer.Argument(..., help="Tenant the token acts for (lowercase letters, digits, _ and -)."),
-    tokens_file: Optional[Path] = typer.Option(None, "--tokens-file", help="Append the hashed entry to this file."),
+    tokens_file: Path | None = typer.Option(None, "--tokens-file", help="Append the hashed entry to this file."),
     as_json: bool = typer.Option(False, "--json", help="Print {tenant, token, entry} as one JSON document."),
 ) -> None:
     """Generate a token for TENANT: the token on stdout (shown once), its hashed entry for the tokens file."""
@@ -69,7 +68,7 @@ def tokens_new(
 @tokens_app.command("hash")
 def tokens_hash(
     tenant: str = typer.Argument(..., help="Tenant the token acts for."),
-    token: Optional[str] = typer.Option(None, "--token", help="The token (default: read from stdin, "
+    token: str | None = typer.Option(None, "--token", help="The token (default: read from stdin, "
                                         "which keeps it out of shell history and `ps`)."),
 ) -> None:
     """Print the tokens-file entry `TENANT: SHA256` for an existing token."""

@@ -20,7 +20,8 @@ import math
 import os
 import platform
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, cast
 
 # CPU features that decide which runtime and precision run fastest (x86, then Arm).
 ISA_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
@@ -128,4 +129,5 @@ def table(bench: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def verified_formats(verification: Iterable[dict[str, Any]]) -> set[str]:
-    return {v.get("format") for v in verification if v.get("passed")}
+    # every verification record names its format
+    return {cast(str, v.get("format")) for v in verification if v.get("passed")}

@@ -35,9 +35,10 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -150,7 +151,7 @@ class ResultCache:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_settings(cls, store: ArtifactStore, settings: Any) -> "ResultCache":
+    def from_settings(cls, store: ArtifactStore, settings: Any) -> ResultCache:
         return cls(store, enabled=settings.cache_enabled, share_across_tenants=settings.cache_share_across_tenants,
                    rehash_interval_s=settings.cache_rehash_interval_s, max_age_s=settings.cache_max_age_s,
                    max_bytes=settings.cache_max_bytes)
@@ -276,7 +277,7 @@ class ResultCache:
         self._write(entry)
         return Remembered(key, job_id, replaced if replaced is not None and replaced.job_id != job_id else None)
 
-    def forget(self, remembered: "Remembered") -> None:
+    def forget(self, remembered: Remembered) -> None:
         """Undo `remember` for a job that did not become SUCCEEDED after all (cancelled meanwhile).
         Only if the entry still names that job: a newer job's entry stays. The entry it replaced
         is put back while its artifacts are intact; otherwise the key is dropped."""

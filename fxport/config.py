@@ -70,8 +70,10 @@ class Settings(BaseSettings):
         False, description="Allow serving a non-loopback address with no tokens and no mTLS (a proxy in front "
         "authenticates). Without it the server refuses to start.")
     max_jobs_in_flight: int = Field(100, ge=1, description="Jobs one tenant may have QUEUED or RUNNING at once.")
-    max_job_memory_mb: int = Field(16384, ge=256, description="Ceiling on a job's spec.limits.memory_mb (sandbox address space).")
-    max_job_timeout_s: int = Field(1800, ge=10, description="Ceiling on a job's spec.limits.timeout_s (sandbox wall clock).")
+    max_job_memory_mb: int = Field(
+        16384, ge=256, description="Ceiling on a job's spec.limits.memory_mb (sandbox address space).")
+    max_job_timeout_s: int = Field(
+        1800, ge=10, description="Ceiling on a job's spec.limits.timeout_s (sandbox wall clock).")
     events_ttl_s: int = Field(
         7 * 24 * 3600, ge=60, description="A job's event stream (Redis) expires this long after its last event; "
         "WatchJob on an older job then answers with its final state alone. The job record itself is kept.")
@@ -132,7 +134,7 @@ class Settings(BaseSettings):
         "(call fxport.cache.ResultCache.sweep yourself).")
 
     @model_validator(mode="after")
-    def _lease_expires_before_redelivery(self) -> "Settings":
+    def _lease_expires_before_redelivery(self) -> Settings:
         # A redelivered job must find a dead worker's lease already expired, or it waits once more.
         if self.job_lease_s >= self.visibility_timeout_s:
             raise ValueError(f"job_lease_s ({self.job_lease_s}) must be shorter than visibility_timeout_s "

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 CHUNK = 1 << 20
 

@@ -28,10 +28,11 @@ import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -358,7 +359,7 @@ class JobStore(ABC):
         """Now, on the clock heartbeats are stamped with (the store's, not this host's)."""
         return time.time()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: a store holding no resources keeps this no-op
         pass
 
     def list(
@@ -468,7 +469,8 @@ class RedisJobStore(JobStore):
         self.url = url
         self.ns = namespace
         retries = 0 if retry_s <= 0 else max(1, int(retry_s / 0.8))  # ≈ seconds at a 1 s cap, with the ramp
-        self.r = redis.Redis.from_url(
+        # decode_responses=True: every reply is str, which redis-py's annotations (bytes | str) cannot say
+        self.r: Any = redis.Redis.from_url(
             url, decode_responses=True, health_check_interval=30, socket_keepalive=True,
             retry_on_timeout=True, socket_connect_timeout=5,
             retry=Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.1), retries,
@@ -581,7 +583,8 @@ class RedisJobStore(JobStore):
 
     def _ids_desc(self, tenant: str, before: str | None, limit: int) -> list[str]:
         hi = f"({before}" if before else "+"
-        return self.r.zrevrangebylex(self._tenant_jobs(tenant), hi, "-", start=0, num=limit)
+        ids: list[str] = self.r.zrevrangebylex(self._tenant_jobs(tenant), hi, "-", start=0, num=limit)
+        return ids
 
     def ids_in_states(self, states: Iterable[JobState]) -> list[str]:
         wanted = {s.value for s in states}
@@ -633,13 +636,16 @@ class RedisJobStore(JobStore):
         return bool(self._release(keys=[self._lease(job_id)], args=[owner]))
 
     def lease_holder(self, job_id: str) -> str | None:
-        return self.r.get(self._lease(job_id))
+        holder: str | None = self.r.get(self._lease(job_id))
+        return holder
 
     def last_heartbeat(self, job_id: str) -> float | None:
         raw = self.r.get(self._heartbeat(job_id))
         return float(raw) if raw else None
 
     def clock(self) -> float:
+        sec: int
+        usec: int
         sec, usec = self.r.time()
         return sec + usec / 1e6
 
@@ -679,7 +685,7 @@ class SqliteJobStore(JobStore):
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
 
-    def _tx(self) -> "_SqliteTx":
+    def _tx(self) -> _SqliteTx:
         return _SqliteTx(self)
 
     def create(self, record: JobRecord) -> tuple[JobRecord, bool]:
@@ -700,7 +706,8 @@ class SqliteJobStore(JobStore):
                     "INSERT OR REPLACE INTO idempotency VALUES (?,?,?)",
                     (rec.tenant, _idem_digest(rec.idempotency_key), rec.id),
                 )
-            db.execute("INSERT INTO jobs VALUES (?,?,?,?)", (rec.id, rec.tenant, rec.state.value, rec.model_dump_json()))
+            db.execute("INSERT INTO jobs VALUES (?,?,?,?)",
+                       (rec.id, rec.tenant, rec.state.value, rec.model_dump_json()))
             db.execute("INSERT INTO events VALUES (?,?,?)", (rec.id, 1, event_for(rec, 1).model_dump_json()))
         return rec, True
 
@@ -777,7 +784,8 @@ class SqliteJobStore(JobStore):
         with self._tx() as db:
             row = db.execute("SELECT owner, expires_at FROM leases WHERE job_id=?", (job_id,)).fetchone()
             if row and row[0] != owner and row[1] > now:
-                return row[0]
+                holder: str = row[0]
+                return holder
             db.execute("INSERT OR REPLACE INTO leases VALUES (?,?,?,?)", (job_id, owner, now + ttl_s, now))
         return None
 
@@ -879,7 +887,8 @@ def sweep_orphans(
             last = max(rec.updated_at, store.last_heartbeat(job_id) or 0.0)
             if now - last < orphan_after_s:
                 continue
-            gone = f"its worker {rec.worker or '?'} stopped (no heartbeat for {now - last:.0f} s) and no redelivery picked it up"
+            gone = (f"its worker {rec.worker or '?'} stopped (no heartbeat for {now - last:.0f} s) "
+                    "and no redelivery picked it up")
             if rec.attempts >= max_attempts:
                 error = JobErrorInfo(stage=rec.stage, code="worker_lost",
                                      message=f"{gone}; it already ran {rec.attempts} times, so it is not requeued")

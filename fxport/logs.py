@@ -12,7 +12,8 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 _job_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("fxport_job_id", default=None)
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}

@@ -26,13 +26,13 @@ import contextlib
 import os
 import platform
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client import multiprocess
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
 # Label values, written out so every series exists (at 0) from the first scrape: rate()
 # and absent() work before the first job, and a typo in a caller shows up as a new series.

@@ -30,9 +30,10 @@ import subprocess
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 # DOT source → SVG bytes; raises FileNotFoundError when there is no `dot` to run.
 DotLayout = Callable[[bytes], bytes]
@@ -119,7 +120,7 @@ def render_report(manifest: dict[str, Any], *, layout: DotLayout | None = None) 
     `layout` runs `dot` (default: `run_dot`, a plain subprocess)."""
     job = manifest.get("job_id") or "local conversion"
     status = str(manifest.get("status") or "unknown")
-    renderers: dict[str, Callable[[dict[str, Any]], Optional[str]]] = {
+    renderers: dict[str, Callable[[dict[str, Any]], str | None]] = {
         "error": _error_section,
         "overview": _overview_section,
         "input": _input_section,
@@ -182,7 +183,7 @@ def write_report(manifest_path: Path, out_path: Path | None = None, *, layout: D
 # ---------------------------------------------------------------- sections
 
 
-def _safe_section(fn: Callable[[dict[str, Any]], Optional[str]], manifest: dict[str, Any], title: str) -> Optional[str]:
+def _safe_section(fn: Callable[[dict[str, Any]], str | None], manifest: dict[str, Any], title: str) -> str | None:
     # A malformed or older manifest must not cost the reader the whole report: one section says why it is missing.
     try:
         return fn(manifest)
@@ -191,7 +192,7 @@ def _safe_section(fn: Callable[[dict[str, Any]], Optional[str]], manifest: dict[
                 f"{_e(type(exc).__name__)}: {_e(exc)}</p>")
 
 
-def _error_section(m: dict[str, Any]) -> Optional[str]:
+def _error_section(m: dict[str, Any]) -> str | None:
     err = m.get("error")
     if not err:
         return None
@@ -358,7 +359,7 @@ def _parity_section(m: dict[str, Any]) -> str:
     return head + _table(headers, rows, table_id="parity-table", row_classes=classes)
 
 
-def _benchmark_section(m: dict[str, Any]) -> Optional[str]:
+def _benchmark_section(m: dict[str, Any]) -> str | None:
     from fxport.benchmark import rate, table
 
     bench = m.get("benchmark")
@@ -410,7 +411,7 @@ def _benchmark_section(m: dict[str, Any]) -> Optional[str]:
     return "\n".join(parts)
 
 
-def _profile_section(m: dict[str, Any]) -> Optional[str]:
+def _profile_section(m: dict[str, Any]) -> str | None:
     prof = m.get("profile")
     if not prof or not prof.get("top_nodes"):
         return None
@@ -428,7 +429,7 @@ def _profile_section(m: dict[str, Any]) -> Optional[str]:
             + _table(["node", "op", "ms", "share"], rows, table_id="profile-table") + "</details>")
 
 
-def _quantization_section(m: dict[str, Any]) -> Optional[str]:
+def _quantization_section(m: dict[str, Any]) -> str | None:
     quant = m.get("quantization")
     if not quant or not quant.get("layers"):
         return None
@@ -459,7 +460,7 @@ def _quantization_section(m: dict[str, Any]) -> Optional[str]:
                      row_classes=classes))
 
 
-def _graph_section(m: dict[str, Any], layout: DotLayout) -> Optional[str]:
+def _graph_section(m: dict[str, Any], layout: DotLayout) -> str | None:
     before, after = m.get("graph_before"), m.get("graph_after")
     if not before and not after:
         return '<p class="note">No FX graph: the job stopped before capture, or the input was ONNX.</p>'
@@ -473,14 +474,14 @@ def _graph_section(m: dict[str, Any], layout: DotLayout) -> Optional[str]:
             "Hover a node for its full target.</p>" + f'<div class="graphs">{"".join(cols)}</div>')
 
 
-def _warnings_section(m: dict[str, Any]) -> Optional[str]:
+def _warnings_section(m: dict[str, Any]) -> str | None:
     warnings = m.get("warnings") or []
     if not warnings:
         return None
     return '<ul id="warnings-list">' + "".join(f"<li>{_e(w)}</li>" for w in warnings) + "</ul>"
 
 
-def _timings_section(m: dict[str, Any]) -> Optional[str]:
+def _timings_section(m: dict[str, Any]) -> str | None:
     timings = m.get("timings_s") or {}
     if not timings:
         return None
@@ -596,7 +597,7 @@ def run_dot(source: bytes) -> bytes:
                           timeout=DOT_TIMEOUT_S).stdout
 
 
-_layouts: "OrderedDict[str, bytes]" = OrderedDict()
+_layouts: OrderedDict[str, bytes] = OrderedDict()
 _layouts_lock = threading.Lock()
 
 

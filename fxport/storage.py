@@ -23,9 +23,10 @@ import tempfile
 import time
 import urllib.parse
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator, TypeVar
+from typing import IO, Any, TypeVar
 
 from fxport.digest import CHUNK, sha256_file, write_checked  # noqa: F401 (sha256_file: re-exported)
 from fxport.errors import FxportError
@@ -461,8 +462,9 @@ class S3Store(ArtifactStore):
 
         def put() -> dict[str, Any]:
             with open(path, "rb") as body:
-                return self._s3.put_object(Bucket=self.bucket, Key=self._k(key), Body=body,
-                                           Metadata={"sha256": digest}, ChecksumSHA256=checksum)
+                answer: dict[str, Any] = self._s3.put_object(Bucket=self.bucket, Key=self._k(key), Body=body,
+                                                             Metadata={"sha256": digest}, ChecksumSHA256=checksum)
+                return answer
 
         try:
             resp = self._retry(f"upload {key}", put)
@@ -517,7 +519,8 @@ class S3Store(ArtifactStore):
 
         def call() -> dict[str, Any] | None:
             try:
-                return self._s3.head_object(Bucket=self.bucket, Key=self._k(key))
+                answer: dict[str, Any] = self._s3.head_object(Bucket=self.bucket, Key=self._k(key))
+                return answer
             except ClientError as exc:
                 if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                     return None
@@ -540,7 +543,8 @@ class S3Store(ArtifactStore):
 
         def call() -> dict[str, Any]:
             try:
-                return self._s3.get_object(Bucket=self.bucket, Key=self._k(key))
+                answer: dict[str, Any] = self._s3.get_object(Bucket=self.bucket, Key=self._k(key))
+                return answer
             except ClientError as exc:
                 if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                     raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
@@ -587,13 +591,13 @@ class S3Store(ArtifactStore):
         keys = [{"Key": self._k(o.key)} for o in self._list_raw(prefix)]
         for i in range(0, len(keys), 1000):
             batch = keys[i : i + 1000]
-            self._retry(
+            self._retry(  # which calls the lambda now, in this iteration
                 f"delete {prefix}",
-                lambda b=batch: self._s3.delete_objects(Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}),
+                lambda: self._s3.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}),  # noqa: B023
             )
         return len(keys)
 
-    def stream_upload(self, key: str, sha256: str) -> "S3StreamUpload":
+    def stream_upload(self, key: str, sha256: str) -> S3StreamUpload:
         """A multipart upload fed chunk by chunk while the bytes still arrive (an API upload):
         receiving and storing overlap instead of following one another. `sha256` is the digest
         the object will be recorded with; call `complete()` only once the bytes are known to
@@ -607,7 +611,8 @@ class S3Store(ArtifactStore):
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._k(prefix)}
             if token:
                 kwargs["ContinuationToken"] = token
-            resp = self._retry(f"list {prefix}", lambda kw=kwargs: self._s3.list_objects_v2(**kw))
+            # _retry calls the lambda now, in this iteration
+            resp = self._retry(f"list {prefix}", lambda: self._s3.list_objects_v2(**kwargs))  # noqa: B023
             for item in resp.get("Contents", []):
                 out.append(StoredObject(key=item["Key"][len(self.prefix) :], bytes=int(item["Size"]), sha256=""))
             if not resp.get("IsTruncated"):
@@ -623,9 +628,10 @@ class S3Store(ArtifactStore):
         return out
 
     def presigned_url(self, key: str, expires_s: int = 900) -> str | None:
-        return self._s3.generate_presigned_url(
+        url: str = self._s3.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._k(key)}, ExpiresIn=int(expires_s)
         )
+        return url
 
     def presigned_put(self, key: str, *, sha256: str, size: int,
                       expires_s: int = 900) -> tuple[str, dict[str, str]] | None:
@@ -665,7 +671,7 @@ class S3StreamUpload:
             next(f for f in self._parts if not f.done()).result()
         for f in self._parts:
             if f.done() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+                raise f.exception()
         number = len(self._parts) + 1
         s3, bucket, full_key, upload_id = self.store._s3, self.store.bucket, self.store._k(self.key), self.upload_id
 
@@ -713,14 +719,17 @@ def _checksum_sha256(hex_digest: str) -> str:
     return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
 
-def _transient(exc: BaseException) -> bool:
+def _transient(exc: BaseException | None) -> bool:
     """A connection failure or a 5xx answer: worth another try. Anything else (403, 404, a
     bad request) fails the same way every time."""
     from botocore.exceptions import (
-        ClientError, ConnectionClosedError, IncompleteReadError, ResponseStreamingError,
+        ClientError,
+        ConnectionClosedError,
+        IncompleteReadError,
+        ReadTimeoutError,
+        ResponseStreamingError,
     )
     from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import ReadTimeoutError
 
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:  # boto3 wraps a transfer's ClientError

@@ -26,6 +26,7 @@ import subprocess
 import threading
 import time
 from typing import Any
+
 from fxport.periodic import PeriodicTask
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -31,7 +32,8 @@ class LoggingInterceptor(grpc.ServerInterceptor):
 
         def record(request: Any, context: grpc.ServicerContext, started: float, exc: BaseException | None) -> None:
             job_id = getattr(request, "job_id", None) if not hasattr(request, "__next__") else None
-            extra = {"rpc": method, "code": _code_name(context, exc), "ms": round((time.perf_counter() - started) * 1000, 1),
+            extra = {"rpc": method, "code": _code_name(context, exc),
+                     "ms": round((time.perf_counter() - started) * 1000, 1),
                      "tenant": current_tenant()}  # set by the auth interceptor, which runs outside this one
             if job_id:
                 extra["job_id"] = job_id

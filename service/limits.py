@@ -11,8 +11,8 @@ overshoot; across API replicas the limit can be exceeded by at most the replicas
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import grpc
 

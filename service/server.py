@@ -13,8 +13,9 @@ and artifacts go wherever `store` says (S3).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, cast
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -22,16 +23,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from fxport.config import Settings
-from fxport.jobs import SweepResult, open_job_store, sweep_orphans
+from fxport.jobs import JobStore, SweepResult, open_job_store, sweep_orphans
 from fxport.periodic import PeriodicTask
-from fxport.storage import open_store
-from fxport.v1 import conversion_pb2 as pb
-from fxport.v1 import conversion_pb2_grpc as pb_grpc
 from fxport.service.auth import build_auth, server_credentials
 from fxport.service.interceptors import LoggingInterceptor, MetricsInterceptor
 from fxport.service.servicer import ConversionServicer
 from fxport.service.tenancy import current_tenant
 from fxport.service.unavailable import BackendUnavailableInterceptor
+from fxport.storage import open_store
+from fxport.v1 import conversion_pb2 as pb
+from fxport.v1 import conversion_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ConversionService"].full_name
@@ -46,7 +47,9 @@ class HealthServicer(health.HealthServicer):
     """grpcio-health-checking's servicer plus List (its 1.85 stubs define List, its servicer
     answers UNIMPLEMENTED): the status of every service this server has set."""
 
-    def List(self, request: health_pb2.HealthListRequest, context: grpc.ServicerContext) -> health_pb2.HealthListResponse:
+    def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthListResponse:
         with self._lock:  # the base class keeps its statuses here, under this lock
             statuses = dict(self._server_status)
         return health_pb2.HealthListResponse(
@@ -129,7 +132,8 @@ class FxportServer:
             fn()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving", extra={"address": self.address, "mode": "embedded" if self.settings.embedded else "distributed"})
+        mode = "embedded" if self.settings.embedded else "distributed"
+        log.info("serving", extra={"address": self.address, "mode": mode})
 
     def stop(self, grace: float | None = -1.0) -> None:
         """Health goes NOT_SERVING first (readiness drops while calls still complete), open
@@ -201,13 +205,14 @@ def _add_cache_and_metrics(settings: Settings, servicer: ConversionServicer, on_
         from fxport.metrics import start_metrics_server
 
         addr = settings.metrics_bind_address(api=True)
-        on_start.append(lambda: box.append(start_metrics_server(settings.metrics_port, addr=addr)[0]))
+        # (settings.metrics_port is checked above)
+        on_start.append(lambda: box.append(start_metrics_server(cast(int, settings.metrics_port), addr=addr)[0]))
         on_stop.append(lambda: [(m.shutdown(), m.server_close()) for m in box])
         if settings.broker_url:
             from fxport.metrics import sample_queue_depth
 
             sampler: list[Any] = []
-            on_start.append(lambda: sampler.append(sample_queue_depth(settings.broker_url)))
+            on_start.append(lambda: sampler.append(sample_queue_depth(cast(str, settings.broker_url))))
             on_stop.append(lambda: [stop.set() for stop in sampler])
     return box
 
@@ -228,7 +233,7 @@ def create_server(
     if settings.metrics_port is not None:
         from fxport.metrics import MeteredJobStore
 
-        jobs = MeteredJobStore(jobs)  # counts every state a job enters, in this process
+        jobs = cast(JobStore, MeteredJobStore(jobs))  # counts every state a job enters, in this process
     on_start: list[Callable[[], Any]] = []
     on_stop: list[Callable[[], Any]] = []
     before_stop: list[Callable[[], Any]] = []
@@ -237,7 +242,7 @@ def create_server(
         from fxport.workers.jobs import WorkerContext
 
         ctx = WorkerContext(jobs=jobs, artifacts=artifacts, settings=settings,
-                            **({"worker_id": settings.worker_id} if settings.worker_id else {}))
+                            **cast("dict[str, Any]", {"worker_id": settings.worker_id} if settings.worker_id else {}))
         dispatcher: Any = EmbeddedPool(ctx, settings.embedded_workers)
         on_start.append(dispatcher.recover)
         before_stop.append(dispatcher.close)

@@ -6,7 +6,8 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, NoReturn
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NoReturn
 
 import grpc
 
@@ -14,21 +15,33 @@ from fxport.cache import Lookup, ResultCache, wants_engine
 from fxport.config import Settings
 from fxport.errors import SpecError
 from fxport.jobs import (
-    IdempotencyConflict, InputRef, JobErrorInfo, JobRecord, JobState, JobStore, new_job_id,
+    IdempotencyConflict,
+    InputRef,
+    JobErrorInfo,
+    JobRecord,
+    JobState,
+    JobStore,
+    new_job_id,
 )
 from fxport.logs import job_context
 from fxport.metrics import METRICS
+from fxport.service.dispatch import Dispatcher
+from fxport.service.limits import InFlightLimit
+from fxport.service.messages import STATE_FROM_PROTO, event_to_proto, job_to_proto, timestamp
+from fxport.service.tenancy import current_tenant
+from fxport.service.uploads import SpooledFile, SpooledUpload, UploadRejected, check_header
 from fxport.spec import JobSpec, load_spec_text, parse_spec
 from fxport.storage import (
-    JOB_ID_RE, SHA256_RE, ArtifactStore, ObjectNotFound, StorageError, input_key, job_prefix,
+    JOB_ID_RE,
+    SHA256_RE,
+    ArtifactStore,
+    ObjectNotFound,
+    StorageError,
+    input_key,
+    job_prefix,
 )
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
-from fxport.service.dispatch import Dispatcher
-from fxport.service.messages import STATE_FROM_PROTO, event_to_proto, job_to_proto, timestamp
-from fxport.service.tenancy import current_tenant
-from fxport.service.limits import InFlightLimit
-from fxport.service.uploads import SpooledFile, SpooledUpload, UploadRejected, check_header
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +76,9 @@ def abort_invalid_spec(context: grpc.ServicerContext, err: SpecError) -> NoRetur
     from grpc_status import rpc_status
 
     bad = error_details_pb2.BadRequest(
-        field_violations=[error_details_pb2.BadRequest.FieldViolation(field=f, description=m) for f, m in err.violations]
+        field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=f, description=m) for f, m in err.violations
+        ]
     )
     status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(err))
     status.details.add().Pack(bad)
@@ -128,6 +143,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         rec = self.jobs.get(job_id)
         if rec is None or rec.tenant != self.tenant_of(context):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id}")
+        assert rec is not None  # context.abort raised otherwise
         return rec
 
     def _stored_input(self, tenant: str, what: str, header: pb.FileHeader, context: grpc.ServicerContext) -> InputRef:
@@ -137,6 +153,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"{what}.stored is set but this server has no {what} with sha256 {header.sha256}; "
                           "send the bytes")
+        assert meta is not None  # context.abort raised otherwise
         return InputRef(sha256=meta.sha256, bytes=meta.bytes, filename=header.filename, key=key)
 
     def _cache_lookup(self, tenant: str, model_sha256: str, calibration_sha256: str | None, spec: JobSpec,
@@ -240,6 +257,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         first = next(requests, None)
         if first is None or first.WhichOneof("payload") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first SubmitJobRequest must carry the header")
+        assert first is not None  # context.abort raised otherwise
         header = first.header
         # 1. The spec, before anything is stored.
         spec = self._spec_or_abort(header.spec, context)
@@ -427,6 +445,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 rec.id, state=JobState.CANCELLED, message="cancelled",
                 error=JobErrorInfo(stage=rec.stage, code="cancelled", message="cancelled by request"),
             )
+            assert new is not None  # job records are never deleted, and _owned found this one
             if changed:
                 self.dispatcher.cancel(new)
                 try:
@@ -467,7 +486,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                     log.error("stored artifact %s does not match its sha256", art.name)
             context.abort(grpc.StatusCode.DATA_LOSS, f"artifact {art.name!r} in the store does not match its sha256")
 
-    def GetArtifactUrl(self, request: pb.GetArtifactUrlRequest, context: grpc.ServicerContext) -> pb.GetArtifactUrlResponse:
+    def GetArtifactUrl(
+        self, request: pb.GetArtifactUrlRequest, context: grpc.ServicerContext
+    ) -> pb.GetArtifactUrlResponse:
         rec = self._owned(request.job_id, context)
         art = self._artifact(rec, request.name, context)
         expires = min(max(request.expires_s or DEFAULT_URL_EXPIRY_S, 1), MAX_URL_EXPIRY_S)

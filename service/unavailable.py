@@ -10,7 +10,8 @@ fxport client that the server itself is up, so retrying for longer is worth it (
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -28,7 +29,8 @@ def _backend_errors() -> tuple[tuple[type[BaseException], str], ...]:
         import redis
 
         # BusyLoadingError (Redis replaying its AOF after a restart) is a ConnectionError.
-        out += [(redis.exceptions.ConnectionError, "job store (Redis)"), (redis.exceptions.TimeoutError, "job store (Redis)")]
+        out += [(redis.exceptions.ConnectionError, "job store (Redis)"),
+                (redis.exceptions.TimeoutError, "job store (Redis)")]
     except ImportError:
         pass
     try:
@@ -54,7 +56,8 @@ class BackendUnavailableInterceptor(grpc.ServerInterceptor):
         log.warning("%s unavailable during %s: %s", backend, method, exc)
         context.set_trailing_metadata((RETRY_METADATA,))
         context.abort(grpc.StatusCode.UNAVAILABLE,
-                      f"{backend} unavailable: {exc}; the call is safe to retry (the fxport client retries with backoff)")
+                      f"{backend} unavailable: {exc}; "
+                      "the call is safe to retry (the fxport client retries with backoff)")
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)

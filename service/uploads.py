@@ -13,16 +13,16 @@ import hashlib
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 
 from fxport.metrics import METRICS
 from fxport.storage import SHA256_RE
 from fxport.v1 import conversion_pb2 as pb
-
 
 log = logging.getLogger(__name__)
 MAX_FILENAME = 255  # informational only (the engine detects formats by content), but stored on the job
@@ -110,7 +110,8 @@ class _Sink:
                                  f"{self.what} upload ended after {self.size} of {self.header.size} declared bytes")
         if self.header.sha256 and digest != self.header.sha256:
             raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"{self.what} upload corrupted in transit: sha256 {digest} != declared {self.header.sha256}")
+                                 f"{self.what} upload corrupted in transit: "
+                                 f"sha256 {digest} != declared {self.header.sha256}")
         stored = None
         if self.mirror is not None and digest == self.mirror.sha256:
             try:
@@ -130,7 +131,7 @@ class SpooledUpload:
         self.spool_dir, self.max_bytes = spool_dir, max_bytes
         self.dir: Path | None = None
 
-    def __enter__(self) -> "SpooledUpload":
+    def __enter__(self) -> SpooledUpload:
         if self.spool_dir:
             Path(self.spool_dir).mkdir(parents=True, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix="fxport-upload-", dir=self.spool_dir))
@@ -160,8 +161,9 @@ class SpooledUpload:
                     model.write(req.model_chunk)
                 elif kind == "calibration_chunk":
                     if calib is None:
-                        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                             "calibration_chunk without a calibration header (or with calibration.stored)")
+                        raise UploadRejected(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            "calibration_chunk without a calibration header (or with calibration.stored)")
                     phase = "calibration"
                     calib.write(req.calibration_chunk)
                 else:

@@ -67,7 +67,8 @@ def test_the_script_starts_the_stack_serves_a_job_and_stop_leaves_nothing_it_sta
         with Client(address) as client:
             job = client.submit(tiny_pt2, {"targets": ["onnx"], "labels": {"suite": "distributed-script"}})
             job.wait(timeout=300, download_to=tmp_path / "out")
-        logs = "".join(f"== {p.name} ==\n{p.read_text(errors='replace')[-3000:]}" for p in (local / "logs").glob("*.log"))
+        logs = "".join(f"== {p.name} ==\n{p.read_text(errors='replace')[-3000:]}"
+                       for p in (local / "logs").glob("*.log"))
         assert job.state == "SUCCEEDED", (job.state, job.error, logs)
         assert (tmp_path / "out" / "model.onnx").is_file()
         # What the worker and the others run below them (pool, sandbox zygote) must go too.

@@ -10,8 +10,16 @@ import uuid
 import pytest
 
 from fxport.jobs import (
-    IdempotencyConflict, InputRef, JobErrorInfo, JobRecord, JobState, RedisJobStore, SqliteJobStore,
-    apply_update, decode_page_token, new_job_id,
+    IdempotencyConflict,
+    InputRef,
+    JobErrorInfo,
+    JobRecord,
+    JobState,
+    RedisJobStore,
+    SqliteJobStore,
+    apply_update,
+    decode_page_token,
+    new_job_id,
 )
 
 
@@ -188,7 +196,8 @@ def test_sweep_orphans_requeues_or_fails_only_silent_unleased_running_jobs(jobs)
     requeued: list[str] = []
     result = sweep_orphans(jobs, requeued.append, orphan_after_s=60)
     assert result.requeued == requeued == [orphan] and result.failed == [exhausted]
-    assert jobs.get(orphan).state is JobState.QUEUED and jobs.get(orphan).message.startswith("requeued: its worker gone:1")
+    assert jobs.get(orphan).state is JobState.QUEUED
+    assert jobs.get(orphan).message.startswith("requeued: its worker gone:1")
     failed = jobs.get(exhausted)
     assert failed.state is JobState.FAILED and failed.error.code == "worker_lost" and "3 times" in failed.error.message
     for untouched in (recent, leased, waiting_gpu):

@@ -114,7 +114,7 @@ def test_module_flags_are_truthful(case: ModelCase):
 def test_fx_traceable_flag_is_truthful(case: ModelCase):
     model = case.build()
     if not case.fx_traceable:
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - any failure to trace is the point; the kind varies by model
             torch.fx.symbolic_trace(model)
         return
     gm = torch.fx.symbolic_trace(model)

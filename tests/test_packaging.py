@@ -6,9 +6,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 MAPPING = {"fxport": "fxport", "service": "fxport.service", "workers": "fxport.workers", "client": "fxport.client"}

@@ -7,7 +7,8 @@ import pytest
 from fxport.errors import SpecError
 from fxport.spec import JobSpec, load_spec_text, parse_spec, spec_from_flags
 
-DYN = {"inputs": [{"name": "x", "shape": ["batch", 3, 8, 8]}], "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 4}}}
+DYN = {"inputs": [{"name": "x", "shape": ["batch", 3, 8, 8]}],
+       "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 4}}}
 
 BAD = [
     ({"targets": ["onxx"]}, "targets[0]", "'onnx'"),

@@ -11,8 +11,16 @@ import pytest
 
 import fxport.storage
 from fxport.storage import (
-    ArtifactStore, FileStore, IntegrityError, InvalidKey, ObjectNotFound, S3Store, artifact_key, input_key,
-    job_prefix, open_store,
+    ArtifactStore,
+    FileStore,
+    IntegrityError,
+    InvalidKey,
+    ObjectNotFound,
+    S3Store,
+    artifact_key,
+    input_key,
+    job_prefix,
+    open_store,
 )
 
 JOB = "01m8kvr8p9r91rpbemf9nds6es"

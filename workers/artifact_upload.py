@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from fxport.storage import StoredObject, artifact_key, check_artifact_name
 
@@ -96,7 +97,7 @@ class EarlyUpload:
                 finally:
                     f.close()
 
-    def _offer_file(self, f: "OutputFile") -> None:
+    def _offer_file(self, f: OutputFile) -> None:
         name = f.name
         if name in LATE_FILES or self._seen.get(name) == (f.size, f.mtime_ns):
             return

@@ -28,8 +28,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from celery import Celery, signals
 from kombu import Queue

@@ -22,8 +22,9 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fxport.jobs import JobRecord, JobStore
 from fxport.storage import StorageError
@@ -90,7 +91,7 @@ class JobLease:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{job_id}", daemon=True)
 
-    def __enter__(self) -> "JobLease":
+    def __enter__(self) -> JobLease:
         holder = self.jobs.acquire_lease(self.job_id, self.owner, self.ttl_s)
         if holder is not None and holder_is_dead(holder) and self.jobs.release_lease(self.job_id, holder):
             log.info("broke the lease of %s: that process is gone", holder)

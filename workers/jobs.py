@@ -23,9 +23,10 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, cast
 
 from fxport.cache import Remembered, forget_job_result, remember_job_result
 from fxport.config import Settings
@@ -35,10 +36,16 @@ from fxport.logs import job_context
 from fxport.manifest import Manifest
 from fxport.metrics import job_running
 from fxport.spec import JobSpec, parse_spec
-from fxport.toolchain import local_toolchain
 from fxport.storage import (
-    ArtifactStore, IntegrityError, StorageError, StoredObject, artifact_key, check_artifact_name, job_prefix,
+    ArtifactStore,
+    IntegrityError,
+    StorageError,
+    StoredObject,
+    artifact_key,
+    check_artifact_name,
+    job_prefix,
 )
+from fxport.toolchain import local_toolchain
 from fxport.workers.artifact_upload import EarlyUpload
 
 log = logging.getLogger(__name__)
@@ -47,8 +54,8 @@ MAX_ATTEMPTS = 3  # a job that kills its worker this many times fails instead of
 CANCEL_POLL_S = 0.5
 PROGRESS_EVERY_S = 0.25  # progress events within one stage, at most this often per job
 MESSAGES_PER_STAGE = 8  # …except a stage's first few distinct messages ("[export] torchscript"), recorded at once
-_KEEP_ON_FAILURE = ("manifest.json", "report.html")
-ENGINE_ONNX = ("model.tensorrt.onnx", "model.onnx")  # what the GPU stage builds from, in order of preference  # what a failed job still publishes
+_KEEP_ON_FAILURE = ("manifest.json", "report.html")  # what a failed job still publishes
+ENGINE_ONNX = ("model.tensorrt.onnx", "model.onnx")  # what the GPU stage builds from, in order of preference
 
 
 class RetryLater(Exception):
@@ -106,8 +113,8 @@ def artifact_format(name: str, manifest_formats: dict[str, str]) -> str:
 
 
 def upload_outputs(
-    ctx: WorkerContext, rec: JobRecord, out_dir: Path, manifest: dict[str, Any] | None, only: tuple[str, ...] | None = None,
-    early: dict[str, StoredObject] | None = None,
+    ctx: WorkerContext, rec: JobRecord, out_dir: Path, manifest: dict[str, Any] | None,
+    only: tuple[str, ...] | None = None, early: dict[str, StoredObject] | None = None,
 ) -> list[ArtifactRecord]:
     """Upload every regular file under out_dir (name = relative path), or the names in `only`.
 
@@ -122,7 +129,8 @@ def upload_outputs(
     from fxport.workers.sandbox.run import MAX_OUTPUT_FILES
 
     formats = {a.get("path"): a.get("format") for a in (manifest or {}).get("artifacts", []) if a.get("path")}
-    validated = {a.get("path"): a.get("sha256") for a in (manifest or {}).get("artifacts", [])} if ctx.engine is None else {}
+    validated = ({a.get("path"): a.get("sha256") for a in (manifest or {}).get("artifacts", [])}
+                 if ctx.engine is None else {})
     early = dict(early or {})
     with beneath.opened_dir(out_dir) as out_fd:
         if only is None:
@@ -188,7 +196,7 @@ class _CancelWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"cancel-watch-{job_id}", daemon=True)
 
-    def __enter__(self) -> "_CancelWatch":
+    def __enter__(self) -> _CancelWatch:
         self._thread.start()
         return self
 
@@ -233,7 +241,9 @@ def execute_job(job_id: str, ctx: WorkerContext, *, final_attempt: bool = True,
 
         with JobLease(ctx.jobs, job_id, ctx.lease_s, on_heartbeat=on_heartbeat,
                       on_lost=lambda: kill_sandboxes_of(job_id)) as lease:
-            fenced = replace(ctx, jobs=AttemptFence(ctx.jobs, lease), artifacts=AttemptFence(ctx.artifacts, lease))
+            # the fences are proxies with the stores' interfaces
+            fenced = replace(ctx, jobs=cast(JobStore, AttemptFence(ctx.jobs, lease)),
+                             artifacts=cast(ArtifactStore, AttemptFence(ctx.artifacts, lease)))
             return _execute_job(job_id, fenced, final_attempt)
 
 
@@ -479,7 +489,8 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
     # an int8 job with a CPU target made the engine its own (symmetric) ONNX beside model.onnx
     onnx_name = next((name for name in ENGINE_ONNX if name in earlier), None)
     if onnx_name is None:
-        return _fail(ctx, job_id, "tensorrt", "missing_input", "the TensorRT stage found no model.onnx from the CPU stage")
+        return _fail(ctx, job_id, "tensorrt", "missing_input",
+                     "the TensorRT stage found no model.onnx from the CPU stage")
     onnx = earlier[onnx_name]
     spec, _ = clamp_limits(parse_spec({**rec.spec, "targets": ["tensorrt"]}), ctx.settings)
     with tempfile.TemporaryDirectory(prefix=f"fxport-trt-{job_id}-", dir=ctx.settings.work_dir) as tmp_str:

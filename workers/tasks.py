@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, cast
 
 from celery import signals
 
 from fxport.config import Settings
 from fxport.workers.celery_app import (
-    BUILD_TENSORRT, RUN_JOB, STAGE_TASKS, MessageVisibility, app, message_kept_visible,
+    BUILD_TENSORRT,
+    RUN_JOB,
+    STAGE_TASKS,
+    MessageVisibility,
+    app,
+    message_kept_visible,
 )
 from fxport.workers.job_lease import LeaseHeld
 from fxport.workers.jobs import RetryLater, WorkerContext, execute_job, execute_stage
@@ -41,7 +46,7 @@ def context() -> WorkerContext:
             enqueue_stage=enqueue_stage,
             lease_s=settings.job_lease_s,
             gpu_workers=lambda: queue_has_consumers(settings.broker_url, "gpu"),
-            **({"worker_id": settings.worker_id} if settings.worker_id else {}),
+            **cast("dict[str, Any]", {"worker_id": settings.worker_id} if settings.worker_id else {}),
         )
     return _ctx
 
@@ -146,7 +151,7 @@ def run_job(self: Any, job_id: str) -> None:
         log.info("%s", held, extra={"job_id": job_id})
         app.send_task(RUN_JOB, args=[job_id], task_id=self.request.id, countdown=held.retry_in_s)
     except RetryLater as exc:
-        raise self.retry(exc=exc, countdown=min(60, 2 ** (self.request.retries + 1)))
+        raise self.retry(exc=exc, countdown=min(60, 2 ** (self.request.retries + 1))) from exc
 
 
 @app.task(name=BUILD_TENSORRT, bind=True, max_retries=MAX_RETRIES)
@@ -157,7 +162,7 @@ def build_tensorrt(self: Any, job_id: str) -> None:
         with message_kept_visible(app, self.request.id, ctx.settings.visibility_timeout_s / 4):
             execute_stage("tensorrt", job_id, ctx, final_attempt=self.request.retries >= MAX_RETRIES)
     except RetryLater as exc:
-        raise self.retry(exc=exc, countdown=min(60, 2 ** (self.request.retries + 1)))
+        raise self.retry(exc=exc, countdown=min(60, 2 ** (self.request.retries + 1))) from exc
 
 
 @signals.task_failure.connect

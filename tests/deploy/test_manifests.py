@@ -210,7 +210,7 @@ def test_gpu_workers_only_in_gpu_overlays_and_request_a_gpu(rendered, variant):
         return
     names = {w["metadata"]["name"] for w, _, _ in gpu_containers}
     assert names == {"fxport-worker-gpu"}
-    for workload, pod, c in gpu_containers:
+    for _workload, pod, c in gpu_containers:
         assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
         assert c["args"] == ["worker", "--queues", "gpu"]
         assert pod.get("nodeSelector"), "GPU workers must be pinned to the GPU node pool"

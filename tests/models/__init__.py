@@ -17,8 +17,8 @@ build, trace and export), "slow" (ResNet-18 at 224x224: benchmarks, not unit tes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

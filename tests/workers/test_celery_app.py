@@ -61,7 +61,8 @@ def test_hard_time_limit_marks_the_job_failed(tmp_path, monkeypatch):
     ctx = WorkerContext(jobs=jobs, artifacts=FileStore(tmp_path / "store"),
                         settings=Settings(job_hard_time_limit_s=60))
     monkeypatch.setattr(tasks, "_ctx", ctx)
-    rec, _ = jobs.create(JobRecord(id=new_job_id(), tenant="default", model=InputRef(sha256="0" * 64, bytes=1, key="k")))
+    rec, _ = jobs.create(JobRecord(id=new_job_id(), tenant="default",
+                                   model=InputRef(sha256="0" * 64, bytes=1, key="k")))
     jobs.transition(rec.id, state=JobState.RUNNING, stage="export")
     tasks._record_task_failure(sender=tasks.run_job, exception=TimeLimitExceeded(60), args=[rec.id])
     done = jobs.get(rec.id)

@@ -14,10 +14,19 @@ import pytest
 
 from fxport.jobs import JobState
 from fxport.workers.job_lease import (
-    AttemptFence, JobLease, LeaseHeld, LeaseLost, _pid_namespace, holder_is_dead, lease_owner_name,
+    AttemptFence,
+    JobLease,
+    LeaseHeld,
+    LeaseLost,
+    _pid_namespace,
+    holder_is_dead,
+    lease_owner_name,
 )
 from fxport.workers.jobs import execute_job
-from tests.workers.test_jobs import ctx, make_job, ok_engine  # noqa: F401  (ctx is a fixture)
+from tests.workers import test_jobs
+from tests.workers.test_jobs import make_job, ok_engine
+
+ctx = test_jobs.ctx  # the fixture, under its name here (the tests below take it as a parameter)
 
 
 def test_a_live_holder_makes_a_duplicate_wait(ctx):

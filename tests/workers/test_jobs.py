@@ -228,7 +228,8 @@ def test_artifacts_stored_during_the_run_are_offered_to_clients_until_the_job_en
     # While it ran: each file, stored under its final key with the digest it has.
     for name, art in seen["staged"].items():
         assert art.key == f"default/jobs/{rec.id}/{name}" and art.format == final[name].format
-        assert art.sha256 == final[name].sha256 == hashlib.sha256(b"".join(ctx.artifacts.iter_chunks(art.key))).hexdigest()
+        stored = hashlib.sha256(b"".join(ctx.artifacts.iter_chunks(art.key))).hexdigest()
+        assert art.sha256 == final[name].sha256 == stored
     # Each one was announced by an event of its own, and the ended job offers only its results.
     staged_events = [e.staged.name for e in ctx.jobs.read_events(rec.id) if e.staged is not None]
     assert sorted(staged_events) == ["model.onnx", "model.ts"]
@@ -302,7 +303,8 @@ def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
         assert Path(model_path).read_bytes() == b"contents of model.onnx" and spec.targets == ["tensorrt"]
         p = out_dir / "model.engine"
         p.write_bytes(b"engine")
-        art = {"format": "tensorrt", "path": "model.engine", "bytes": 6, "sha256": hashlib.sha256(b"engine").hexdigest()}
+        art = {"format": "tensorrt", "path": "model.engine", "bytes": 6,
+               "sha256": hashlib.sha256(b"engine").hexdigest()}
         manifest = {"artifacts": [art], "verification": [{"format": "tensorrt", "passed": True}],
                     "toolchain": {"tensorrt": "10.0"}, "timings_s": {"build": 1.0}}
         (out_dir / "manifest.json").write_text(json.dumps(manifest))

@@ -140,7 +140,8 @@ def test_a_hung_sandbox_dies_with_the_worker_that_started_it(tmp_path: Path, mod
         [sys.executable, "-c", "import sys; from pathlib import Path; from fxport.spec import parse_spec; "
          "from fxport.workers.sandbox import run_engine_job; "
          "run_engine_job(Path(sys.argv[1]), parse_spec({'inputs': [{'name': 'x', 'shape': [2, 4]}], "
-         "'targets': ['onnx']}), Path(sys.argv[2]), job_id='t-orphan', timeout_s=600)", str(model), str(tmp_path / "out")],
+         "'targets': ['onnx']}), Path(sys.argv[2]), job_id='t-orphan', timeout_s=600)",
+         str(model), str(tmp_path / "out")],
         env={**os.environ, "FXPORT_SANDBOX_MODE": mode}, cwd=Path(__file__).resolve().parents[2])
     try:
         (box,) = wait_until(lambda: sandbox_pids(worker.pid, "t-orphan"), 120, "the sandbox to start")
@@ -225,7 +226,8 @@ def test_the_zygote_forks_from_huge_pages(tmp_path: Path, monkeypatch: pytest.Mo
         if huge:
             assert on_huge_pages > 0.6, memory
             assert zygote.ready["huge_pages"]["collapsed_mib"] > 100, zygote.ready
-        elif thp.exists() and "[madvise]" in thp.read_text():  # under [always] the kernel may use huge pages for it anyway
+        elif thp.exists() and "[madvise]" in thp.read_text():
+            # (only under [madvise]: under [always] the kernel may use huge pages for it anyway)
             assert on_huge_pages < 0.2, memory
         monkeypatch.setattr(launch, "_warm", zygote)
         monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
@@ -337,7 +339,8 @@ def test_a_child_holding_a_writable_shared_mapping_refuses_to_run_the_model(tmp_
     assert res.returncode == 0, res.stderr
     result = json.loads(res.stdout.strip().splitlines()[-1])
     assert not result["ok"] and result["error"]["code"] == "sandbox_unavailable", result
-    assert "writable shared mapping" in result["error"]["message"] and str(tmp_path / "lock") in result["error"]["message"]
+    message = result["error"]["message"]
+    assert "writable shared mapping" in message and str(tmp_path / "lock") in message
     assert not (tmp_path / "out" / "model.onnx").exists()
 
 

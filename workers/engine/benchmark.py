@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

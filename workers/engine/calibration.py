@@ -129,7 +129,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------
 
 
-def validate_tensors(tensors: dict[str, torch.Tensor], sig: InputSignature) -> tuple[list[tuple[torch.Tensor, ...]], str, list[str]]:
+def validate_tensors(
+    tensors: dict[str, torch.Tensor], sig: InputSignature
+) -> tuple[list[tuple[torch.Tensor, ...]], str, list[str]]:
     """Check names, dtypes and shapes; return one tuple per sample, the layout, and notes.
 
     Each returned sample holds one tensor per input in signature order, with the input's
@@ -182,7 +184,7 @@ def validate_tensors(tensors: dict[str, torch.Tensor], sig: InputSignature) -> t
                 raise _fail(f"calibration input {inp.name!r} contains NaN or Inf values")
     if len(set(layouts.values())) > 1:
         raise _fail(
-            "calibration inputs mix layouts: " + ", ".join(f"{n} {l}" for n, l in layouts.items())
+            "calibration inputs mix layouts: " + ", ".join(f"{n} {layout}" for n, layout in layouts.items())
             + " — give every input the same extra leading samples dim, or none",
         )
     if len(set(counts.values())) > 1:

@@ -69,7 +69,8 @@ def _check_zip_sizes(zf: zipfile.ZipFile, archive_bytes: int) -> None:
         raise UnsupportedModelFormat(
             "the model archive is truncated or corrupt (its zip directory does not cover the file)",
             stage="load", hint="re-save the model and upload the complete file")
-    hint = "upload the archive torch wrote (torch.export.save / PackageExporter / torch.jit.save), not a re-compressed one"
+    hint = ("upload the archive torch wrote (torch.export.save / PackageExporter / torch.jit.save), "
+            "not a re-compressed one")
     if len(infos) > MAX_ZIP_ENTRIES:
         raise UnsupportedModelFormat(f"the model archive has {len(infos)} entries; at most {MAX_ZIP_ENTRIES} are "
                                      "accepted", stage="load", hint=hint)

@@ -18,7 +18,12 @@ child wrote, links never followed).
 """
 
 from fxport.workers.sandbox.launch import (
-    SANDBOX_HUGE_PAGES, SANDBOX_MALLOC_TUNABLES, WarmSandbox, available_cpus, kill_job, prestart,
+    SANDBOX_HUGE_PAGES,
+    SANDBOX_MALLOC_TUNABLES,
+    WarmSandbox,
+    available_cpus,
+    kill_job,
+    prestart,
 )
 from fxport.workers.sandbox.run import MAX_MANIFEST_BYTES, TIMING_CACHE_OUT, draw_report, run_engine_job
 

@@ -18,10 +18,10 @@ import errno
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from fxport.errors import SandboxViolation
 

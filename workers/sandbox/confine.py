@@ -29,8 +29,9 @@ import resource
 import signal
 import struct
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_SECCOMP = 22
@@ -113,7 +114,8 @@ def _syscall(*args: Any) -> int:
 
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version, 0 when Landlock is unavailable."""
-    res = _syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    res = _syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                   ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
     return max(int(res), 0)
 
 
@@ -143,6 +145,7 @@ def python_read_paths() -> tuple[Path, ...]:
         pass
     for name in ("fxport", "fxport.workers", "fxport.service", "fxport.client"):
         spec = importlib.util.find_spec(name)
+        assert spec is not None  # fxport's own packages, installed with this module (fxport.workers.sandbox)
         paths += [Path(p) for p in (spec.submodule_search_locations or ()) if spec is not None]
     return tuple(paths)
 
@@ -197,7 +200,8 @@ def landlock_rules(writable: Iterable[Path], readable: Iterable[Path], abi: int,
     devices. Paths that do not exist here are left out (a distribution without /lib64, say)."""
     handled = _handled_fs(abi)
     rules: list[tuple[Path, int]] = [(Path(p), handled) for p in writable]
-    rules += [(Path(p), FS_READ) for p in [*SYSTEM_READ_PATHS, *python_read_paths(), *readable]]
+    read_only: list[str | Path] = [*SYSTEM_READ_PATHS, *python_read_paths(), *readable]
+    rules += [(Path(p), FS_READ) for p in read_only]
     device = (FS_READ_FILE | FS_WRITE_FILE | FS_TRUNCATE | FS_IOCTL_DEV) & handled
     rules += [(Path(p), device) for p in WRITABLE_DEVICES]
     rules += [(Path(p), FS_READ_FILE) for p in READABLE_DEVICES]

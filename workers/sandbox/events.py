@@ -15,7 +15,8 @@ import json
 import os
 import select
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fxport.jobs import STAGES
 
@@ -60,7 +61,7 @@ class EventPump:
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="sandbox-events", daemon=True)
 
-    def start(self) -> "EventPump":
+    def start(self) -> EventPump:
         self._thread.start()
         return self
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 log = logging.getLogger("fxport.workers.sandbox")
 
@@ -125,7 +125,7 @@ class _ColdLaunch:
 
 
 class _WarmLaunch:
-    def __init__(self, zygote: "WarmSandbox", job: int, pid: int) -> None:
+    def __init__(self, zygote: WarmSandbox, job: int, pid: int) -> None:
         self.zygote, self.job, self.pid = zygote, job, pid
         self.pidfd = _pidfd(pid)
 
@@ -151,7 +151,7 @@ class _WarmLaunch:
             self.pidfd = None
 
 
-Launch = Union[_ColdLaunch, _WarmLaunch]
+Launch = _ColdLaunch | _WarmLaunch
 
 
 def _pidfd(pid: int) -> int | None:

@@ -18,16 +18,18 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
 from fxport import errors
 from fxport.manifest import Manifest
 from fxport.spec import JobSpec
-from fxport.workers.sandbox import beneath, launch as launcher, layers
+from fxport.workers.sandbox import beneath, layers
+from fxport.workers.sandbox import launch as launcher
 from fxport.workers.sandbox.confine import MAX_FILE_BYTES
 from fxport.workers.sandbox.events import EventPump
 
@@ -114,7 +116,8 @@ def run_engine_job(
             "events_path": str(events_path),
             "deferred_targets": list(deferred_targets),
             "input_sha256": input_sha256,
-            "timing_cache": {"read": str(timing_cache_path.resolve()), "write": str(cache_out)} if cache_out else None,
+            "timing_cache": ({"read": str(timing_cache_path.resolve()), "write": str(cache_out)}
+                             if cache_out is not None and timing_cache_path is not None else None),
             "readable": [str(p) for p in readable_inputs(model_path, calibration_path, timing_cache_path)],
             "require": required_layers(),
             "gpu": builds_engine,
@@ -135,10 +138,11 @@ def run_engine_job(
     if not result.get("ok"):
         _record_sandbox(out_dir, box)
         draw_report(out_dir)
-        err = result.get("error") if isinstance(result.get("error"), dict) else {}
+        error = result.get("error")
+        err = error if isinstance(error, dict) else {}
         if err.get("code") == "resource_limit":
             _count_failure("memory")
-        cls = _ERROR_TYPES.get(err.get("code"), errors.ConversionFailed)
+        cls = _ERROR_TYPES.get(err.get("code", ""), errors.ConversionFailed)  # no code, or an unknown one
         raise cls(str(err.get("message") or "conversion failed")[:4000], stage=_str(err.get("stage")),
                   detail=_str(err.get("detail")), field=_str(err.get("field")))
     try:
@@ -385,7 +389,7 @@ def _validate_outputs(manifest: Manifest, out_dir: Path) -> None:
             # Several artifacts hashed at once (hashlib lets go of the GIL): this is on every job's critical path.
             with ThreadPoolExecutor(max_workers=max(1, min(4, len(listed)))) as pool:
                 digests = list(pool.map(lambda pair: sha256_file(pair[1].path), listed))
-            for (art, f), (digest, size) in zip(listed, digests):
+            for (art, _f), (digest, size) in zip(listed, digests):
                 if size != art.bytes or digest != art.sha256:
                     raise errors.ConversionFailed(f"artifact {art.path!r} does not match its recorded digest",
                                                   stage="upload")

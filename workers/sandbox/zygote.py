@@ -130,10 +130,10 @@ def _warm_up_engine(torch: Any, tmp: str) -> None:
     it opens are closed again (their threads end with them), so the zygote forks with one thread."""
     from pathlib import Path
 
+    from torch import nn  # the module `torch` is: imported by name so that it can be subclassed below
+
     from fxport.spec import parse_spec
     from fxport.workers.engine.pipeline import convert
-
-    nn = torch.nn
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -217,7 +217,7 @@ def main() -> None:
     python_read_paths()  # what every child's Landlock rules grant, and its seccomp filter: made once here
     if platform.machine() in _ARCHES:
         seccomp_program()
-    from fxport.workers.engine.exporters import exported_program, fx_source, onnx as onnx_exp, torchscript  # noqa: F401
+    from fxport.workers.engine.exporters import exported_program, fx_source, torchscript  # noqa: F401
     from fxport.workers.engine.verify import runners  # noqa: F401
 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)

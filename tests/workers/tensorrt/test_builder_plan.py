@@ -96,4 +96,5 @@ def test_a_local_tensorrt_build_on_a_machine_without_it_is_refused_at_load(tmp_p
     spec = parse_spec({"targets": ["tensorrt"], "inputs": [{"name": "x", "shape": [2]}]})
     with pytest.raises(InvalidInput) as err:
         convert(path, spec, tmp_path / "out")
-    assert err.value.stage == "load" and "GPU worker" in str(err.value) and "TensorRT is not installed" in str(err.value)
+    assert err.value.stage == "load"
+    assert "GPU worker" in str(err.value) and "TensorRT is not installed" in str(err.value)

@@ -53,7 +53,8 @@ def test_supported_graph_has_no_findings():
     assert report.op_counts == {"Conv": 1, "Relu": 1, "MaxPool": 1, "ReduceMean": 1, "MatMul": 1}
     check_preflight(report)  # no raise
     data = report.as_dict()
-    assert data["ok"] is True and "onnx-tensorrt" in data["source"] and data["checked_against"].startswith("TensorRT 10")
+    assert data["ok"] is True and "onnx-tensorrt" in data["source"]
+    assert data["checked_against"].startswith("TensorRT 10")
 
 
 def test_unsupported_op_fails_naming_the_node_and_op():
@@ -102,7 +103,8 @@ def test_unsupported_op_inside_an_if_branch_names_where_it_sits():
     else_g = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["e"], name="sum_in_branch", keepdims=0)],
                                "else", [], [vi("e", shape=())])
     nodes = [helper.make_node("If", ["cond"], ["y"], name="branch", then_branch=then_g, else_branch=else_g)]
-    report = preflight_onnx(model(nodes, [vi("cond", TensorProto.BOOL, ()), vi("x", shape=(3, 3))], [vi("y", shape=())]))
+    report = preflight_onnx(model(nodes, [vi("cond", TensorProto.BOOL, ()), vi("x", shape=(3, 3))],
+                                  [vi("y", shape=())]))
     [finding] = report.errors
     assert (finding.node, finding.op_type) == ("det_in_branch", "Det")
     assert "If branch.then_branch" in finding.where and "det_in_branch" in finding.describe()
@@ -147,7 +149,8 @@ def test_double_is_a_warning_not_an_error():
     (helper.make_node("AveragePool", ["x"], ["y"], name="pool", kernel_shape=[2, 2], dilations=[2, 2]),
      [vi("x", shape=(1, 1, 8, 8))], [], "dilations"),
     (helper.make_node("Dropout", ["x", "ratio", "training"], ["y"], name="drop"),
-     [vi("x")], [const("ratio", np.array(0.5, np.float32)), const("training", np.array(True))], "training_mode is True"),
+     [vi("x")], [const("ratio", np.array(0.5, np.float32)), const("training", np.array(True))],
+     "training_mode is True"),
     (helper.make_node("TopK", ["x", "k"], ["v", "i"], name="topk", sorted=0),
      [vi("x", shape=(1, 16))], [const("k", np.array([3], np.int64))], "sorted=0"),
     (helper.make_node("TopK", ["x", "k"], ["v", "i"], name="topk"),
@@ -157,7 +160,8 @@ def test_double_is_a_warning_not_an_error():
     (helper.make_node("LayerNormalization", ["x", "g"], ["y", "mean"], name="ln"),
      [vi("x")], [const("g", np.ones(4, np.float32))], "only the first output"),
     (helper.make_node("LSTM", ["x", "w", "r"], ["y"], name="lstm", hidden_size=2, layout=1),
-     [vi("x", shape=(1, 2, 3))], [const("w", np.zeros((1, 8, 3), np.float32)), const("r", np.zeros((1, 8, 2), np.float32))],
+     [vi("x", shape=(1, 2, 3))],
+     [const("w", np.zeros((1, 8, 3), np.float32)), const("r", np.zeros((1, 8, 2), np.float32))],
      "layout must be 0"),
     (helper.make_node("ReduceSum", ["x", "axes"], ["y"], name="sum"),
      [vi("x"), vi("axes", TensorProto.INT64, (1,))], [], "axes ('axes') must be a build-time constant"),

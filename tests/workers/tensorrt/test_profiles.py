@@ -8,7 +8,10 @@ from onnx import TensorProto, helper
 from fxport.errors import InvalidInput
 from fxport.spec import DynamicDim, InputSpec, parse_spec
 from fxport.workers.engine.tensorrt.profiles import (
-    build_profiles, check_against_network, signature_from_onnx, verification_points,
+    build_profiles,
+    check_against_network,
+    signature_from_onnx,
+    verification_points,
 )
 
 

@@ -118,7 +118,8 @@ def test_gpu_stage_gets_the_signature_and_the_shared_cache_and_publishes_it(ctx,
     merged = stored_json(ctx, f"default/jobs/{rec.id}/manifest.json", tmp_path / "m.json")
     assert {a["format"] for a in merged["artifacts"]} == {"onnx", "tensorrt"}
     assert merged["tensorrt"]["preflight"]["ok"] and merged["tensorrt"]["engine"]["gpu_name"] == "NVIDIA H200"
-    assert merged["tensorrt"]["shared_timing_cache"]["published"] and merged["tensorrt"]["shared_timing_cache"]["key"] == key
+    shared = merged["tensorrt"]["shared_timing_cache"]
+    assert shared["published"] and shared["key"] == key
     assert merged["toolchain"] == {"torch": "2.13.0", "tensorrt": "10.15.1.29"}
     ctx.artifacts.get(f"default/jobs/{rec.id}/report.html", tmp_path / "r.html")
     assert (tmp_path / "r.html").read_text() != "stage-only report"  # rewritten from the merged manifest

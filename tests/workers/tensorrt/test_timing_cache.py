@@ -18,8 +18,14 @@ import pytest
 from fxport.storage import FileStore
 from fxport.workers.engine.tensorrt import timing_cache as tc
 from fxport.workers.engine.tensorrt.timing_cache import (
-    DeviceIdentity, cache_key, fetch_shared_cache, load_timing_cache, parse_nvidia_smi, publish_shared_cache,
-    sanitize, save_timing_cache,
+    DeviceIdentity,
+    cache_key,
+    fetch_shared_cache,
+    load_timing_cache,
+    parse_nvidia_smi,
+    publish_shared_cache,
+    sanitize,
+    save_timing_cache,
 )
 
 H200 = DeviceIdentity("NVIDIA H200", "9.0", "10.15.1.29")

@@ -16,7 +16,7 @@ class ExportedProgramFromGraphModule:
         self.gm, self.example_inputs, self.dynamic_shapes = gm, example_inputs, dynamic_shapes
         self.extra_files = dict(extra_files or {})
 
-    def program(self) -> "torch.export.ExportedProgram":
+    def program(self) -> torch.export.ExportedProgram:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return torch.export.export(self.gm, self.example_inputs, dynamic_shapes=self.dynamic_shapes, strict=False)

@@ -10,6 +10,7 @@ same numbers, core aten ops only, but no speed-up there. `note` says which it go
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,9 @@ def fake_quant_graph(qgm: GraphModule) -> GraphModule:
 class TorchScriptInt8FromQdqGraph:
     """Lazy exporter: `__call__(path)` writes the archive; `note` and `int8_kernels` describe it."""
 
-    def __init__(self, qgm: GraphModule, example_inputs: tuple[Any, ...], *, check_inputs: list[tuple[Any, ...]] = (),
-                 lower: bool = True, extra_files: dict[str, str] | None = None) -> None:
+    def __init__(self, qgm: GraphModule, example_inputs: tuple[Any, ...], *,
+                 check_inputs: Sequence[tuple[Any, ...]] = (), lower: bool = True,
+                 extra_files: dict[str, str] | None = None) -> None:
         self.qgm, self.example_inputs, self.check_inputs, self.lower = qgm, example_inputs, list(check_inputs), lower
         self.extra_files = dict(extra_files or {})
         self.note = ""

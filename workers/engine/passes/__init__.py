@@ -9,14 +9,32 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, cast
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from fxport.errors import ConversionFailed
 from fxport.spec import PASS_CATALOG, PassSpec
+
+# Typed views of FX's broad `Node.target` / `Node.args` unions, for where the node's kind fixes the type.
+
+
+def target_name(node: Node) -> str:
+    """The name a get_attr / call_module / call_method node targets (FX types `target` as callable or str)."""
+    return cast(str, node.target)
+
+
+def target_fn(node: Node) -> Callable[..., Any]:
+    """The callable a call_function node calls."""
+    return cast("Callable[..., Any]", node.target)
+
+
+def node_arg(node: Node, i: int) -> Node:
+    """`node.args[i]` where the graph's form makes it a Node (an op's tensor input, a Q/DQ's source)."""
+    return cast(Node, node.args[i])
 
 
 @dataclass

@@ -18,8 +18,8 @@ def dead_code_elimination(gm: GraphModule, opts: NoOptions, ctx: PassContext) ->
     Mutates `gm` in place. Uses `Graph.eliminate_dead_code()`, which keeps placeholders,
     outputs, side-effecting and random ops, and impure modules (e.g. the `_guards_fn` that
     `ep.module()` calls with no users) — and, through `has_side_effects`, the torch-level
-    in-place calls (`y.add_(1)`, `nn.ReLU(inplace=True)`) it would otherwise drop. Attributes are removed only from gm's own containers,
-    never from the user's modules that a torch-level graph shares.
+    in-place calls (`y.add_(1)`, `nn.ReLU(inplace=True)`) it would otherwise drop. Attributes are
+    removed only from gm's own containers, never from the user's modules that a torch-level graph shares.
     """
     graph = gm.graph
     before = Counter(node.op for node in graph.nodes)
@@ -44,5 +44,6 @@ def _notes(removed_nodes: Counter[str], removed_attrs: list[str]) -> str:
         parts.append(f"removed {total} unused node{'s' if total != 1 else ''} ({detail})")
     if removed_attrs:
         shown = ", ".join(removed_attrs[:5]) + (f", … {len(removed_attrs) - 5} more" if len(removed_attrs) > 5 else "")
-        parts.append(f"dropped {len(removed_attrs)} unreferenced attribute{'s' if len(removed_attrs) != 1 else ''} ({shown})")
+        plural = "s" if len(removed_attrs) != 1 else ""
+        parts.append(f"dropped {len(removed_attrs)} unreferenced attribute{plural} ({shown})")
     return "; ".join(parts)

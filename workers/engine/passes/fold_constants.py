@@ -16,7 +16,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from fxport.spec import FoldConstantsOptions
-from fxport.workers.engine.passes import PassContext, PassResult
+from fxport.workers.engine.passes import PassContext, PassResult, target_fn, target_name
 from fxport.workers.engine.passes.graph_attrs import erase_if_unused, fetch_attr, prune_unused_attrs, unique_name
 from fxport.workers.engine.passes.side_effects import has_side_effects
 
@@ -31,11 +31,12 @@ def fold_constants(gm: GraphModule, opts: FoldConstantsOptions, ctx: PassContext
     """Subgraphs fed only by get_attr/literals ⇒ one get_attr buffer holding their result.
 
     Mutates `gm` in place: each folded result becomes a new buffer on gm's root (named after
-    its one source attribute, `fc_weight_folded`, or `_folded_const_N`) (a copy, so it never aliases the user's tensors); the nodes that computed it and any
-    attribute only they read are removed. Skipped, and noted: results with more than
-    `opts.max_elements` elements, random or in-place ops and anything computed from an
-    attribute the graph writes, module calls, and results that are neither tensors nor plain
-    numbers (numbers and shapes are inlined into their users as literals).
+    its one source attribute, `fc_weight_folded`, or `_folded_const_N`) (a copy, so it never
+    aliases the user's tensors); the nodes that computed it and any attribute only they read are
+    removed. Skipped, and noted: results with more than `opts.max_elements` elements, random or
+    in-place ops and anything computed from an attribute the graph writes, module calls, and
+    results that are neither tensors nor plain numbers (numbers and shapes are inlined into their
+    users as literals).
     """
     graph = gm.graph
     mutated = _mutated_attrs(gm)
@@ -72,8 +73,9 @@ def fold_constants(gm: GraphModule, opts: FoldConstantsOptions, ctx: PassContext
         elif isinstance(value, _LITERALS) or _is_literal_sequence(value):
             value = tuple(value) if isinstance(value, (list, tuple)) else value  # torch.Size → tuple
             for user in [u for u in node.users if u not in constant]:
-                user.args = map_arg(user.args, lambda a: value if a is node else a)
-                user.kwargs = map_arg(user.kwargs, lambda a: value if a is node else a)
+                # map_arg calls the lambdas right here, in this iteration: they see this node and value
+                user.args = map_arg(user.args, lambda a: value if a is node else a)  # noqa: B023
+                user.kwargs = map_arg(user.kwargs, lambda a: value if a is node else a)  # noqa: B023
         else:
             skipped[f"{type(value).__name__} result ({what})"] += 1
             continue
@@ -104,7 +106,7 @@ def _mutated_attrs(gm: GraphModule) -> set[str]:
         current = node.args[0]
         while isinstance(current, Node):
             if current.op == "get_attr":
-                mutated.add(current.target)
+                mutated.add(target_name(current))
                 break
             if current.op not in ("call_function", "call_method") or not current.args:
                 break
@@ -118,7 +120,7 @@ def _is_literal_sequence(value: Any) -> bool:
 
 def _foldable(gm: GraphModule, node: Node, constant: set[Node], mutated: set[str]) -> bool:
     if node.op == "get_attr":
-        return isinstance(_safe_fetch(gm, node.target), torch.Tensor) and node.target not in mutated
+        return isinstance(_safe_fetch(gm, target_name(node)), torch.Tensor) and node.target not in mutated
     if node.op not in ("call_function", "call_method"):
         return False  # placeholders, outputs, and module calls (modules may hold state)
     if not all(inp in constant for inp in node.all_input_nodes):
@@ -143,26 +145,27 @@ def _evaluate(gm: GraphModule, node: Node, values: dict[Node, Any]) -> Any:
     kwargs = map_arg(node.kwargs, lambda n: _evaluate(gm, n, values))
     with torch.no_grad():
         if node.op == "get_attr":
-            value = fetch_attr(gm, node.target)
+            value = fetch_attr(gm, target_name(node))
         elif node.op == "call_method":
             self_obj, *rest = args
-            value = getattr(self_obj, node.target)(*rest, **kwargs)
+            value = getattr(self_obj, target_name(node))(*rest, **kwargs)
         else:
-            value = node.target(*args, **kwargs)
+            value = target_fn(node)(*args, **kwargs)
     values[node] = value
     return value
 
 
 def _buffer_name(node: Node) -> str:
     """`fc_weight_folded` when one attribute feeds the subgraph (readable FX source), else `_folded_const`."""
-    sources, stack, seen = set(), [node], set()
+    sources: set[str] = set()
+    stack, seen = [node], set()
     while stack:
         current = stack.pop()
         if current in seen:
             continue
         seen.add(current)
         if current.op == "get_attr":
-            sources.add(current.target)
+            sources.add(target_name(current))
         stack.extend(current.all_input_nodes)
     if len(sources) == 1:
         return sources.pop().replace(".", "_") + "_folded"

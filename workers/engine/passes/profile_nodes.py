@@ -10,7 +10,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from fxport.spec import ProfileNodesOptions
-from fxport.workers.engine.passes import PassContext, PassResult
+from fxport.workers.engine.passes import PassContext, PassResult, target_name
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -78,7 +78,7 @@ def profile_nodes(gm: GraphModule, opts: ProfileNodesOptions, ctx: PassContext) 
 def _op(gm: GraphModule, node: Node) -> str:
     """What the node runs: the aten op / function, a method name, or a module's class and path."""
     if node.op == "call_module":
-        return f"{type(gm.get_submodule(node.target)).__name__}({node.target})"
+        return f"{type(gm.get_submodule(target_name(node))).__name__}({node.target})"
     if node.op == "call_method":
         return f"Tensor.{node.target}"
     target = node.target

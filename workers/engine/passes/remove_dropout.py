@@ -11,7 +11,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from fxport.spec import NoOptions
-from fxport.workers.engine.passes import PassContext, PassResult
+from fxport.workers.engine.passes import PassContext, PassResult, target_fn, target_name
 from fxport.workers.engine.passes.graph_attrs import bind_op_args, prune_unused_attrs
 
 aten = torch.ops.aten
@@ -81,7 +81,7 @@ def remove_dropout(gm: GraphModule, opts: NoOptions, ctx: PassContext) -> PassRe
 def _classify(gm: GraphModule, node: Node) -> tuple[str, bool] | None:
     """(what it is, whether it is active) for a dropout node; None for anything else."""
     if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+        mod = gm.get_submodule(target_name(node))
         if isinstance(mod, nn.modules.dropout._DropoutNd):
             return type(mod).__name__, mod.training
         return None
@@ -90,11 +90,16 @@ def _classify(gm: GraphModule, node: Node) -> tuple[str, bool] | None:
     if node.target in _FUNCTIONS:
         index, name, default = _FUNCTIONS[node.target]
         flag = node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-        return f"{node.target.__module__.split('.')[-1]}.{node.target.__name__}", flag is not False
+        fn = target_fn(node)
+        return f"{fn.__module__.split('.')[-1]}.{fn.__name__}", flag is not False
     if node.target in _ATEN_OPS:
-        return str(node.target.overloadpacket), bind_op_args(node)["train"] is not False
+        bound = bind_op_args(node)
+        assert bound is not None  # an aten OpOverload: it has a schema
+        return str(node.target.overloadpacket), bound["train"] is not False
     if node.target == aten.native_dropout.default:
-        return "aten.native_dropout", bind_op_args(node)["train"] is not False
+        bound = bind_op_args(node)
+        assert bound is not None  # an aten OpOverload: it has a schema
+        return "aten.native_dropout", bound["train"] is not False
     if node.target == aten.clone.default and _from_dropout(node):
         return "aten.clone left by an eval dropout", False
     return None

@@ -11,9 +11,12 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.fx import GraphModule, Node
+
+from fxport.workers.engine.passes import target_name
 
 _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
@@ -27,9 +30,9 @@ def has_side_effects(gm: GraphModule, node: Node) -> bool:
     if node.is_impure():
         return True
     if node.op == "call_method":
-        return _inplace_name(node.target)
+        return _inplace_name(target_name(node))
     if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(node.target), "inplace", False))
+        return bool(getattr(gm.get_submodule(target_name(node)), "inplace", False))
     if node.op == "call_function":
         target = node.target
         if target in _INPLACE_OPERATORS or _inplace_name(getattr(target, "__name__", "")):

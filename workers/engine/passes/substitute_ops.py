@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from fxport.spec import SUBSTITUTIONS, SubstituteOpsOptions
-from fxport.workers.engine.passes import PassContext, PassResult
+from fxport.workers.engine.passes import PassContext, PassResult, target_name
 from fxport.workers.engine.passes.graph_attrs import bind_op_args, prune_unused_attrs
 
 aten = torch.ops.aten
@@ -75,7 +76,7 @@ def substitute_ops(gm: GraphModule, opts: SubstituteOpsOptions, ctx: PassContext
 
 
 def _module(gm: GraphModule, node: Node) -> nn.Module | None:
-    return gm.get_submodule(node.target) if node.op == "call_module" else None
+    return gm.get_submodule(target_name(node)) if node.op == "call_module" else None
 
 
 def _replace(gm: GraphModule, node: Node, target, args: tuple, kwargs: dict | None = None, op: str = "call_function"):
@@ -89,7 +90,7 @@ def _replace(gm: GraphModule, node: Node, target, args: tuple, kwargs: dict | No
 
 
 def _input(node: Node) -> Node:
-    return node.args[0] if node.args else node.kwargs["input"]
+    return cast(Node, node.args[0] if node.args else node.kwargs["input"])
 
 
 def _inplace(gm: GraphModule, node: Node) -> bool:
@@ -127,7 +128,9 @@ def _gelu_matches(gm: GraphModule, node: Node) -> bool:
     if node.op == "call_function" and node.target is F.gelu:
         return node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none") == "none"
     if node.op == "call_function" and node.target == aten.gelu.default:
-        return bind_op_args(node)["approximate"] == "none"
+        bound = bind_op_args(node)
+        assert bound is not None  # an aten OpOverload: it has a schema
+        return bound["approximate"] == "none"
     return False
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Interpreter, Node
 
+from fxport.workers.engine.passes import target_fn, target_name
 from fxport.workers.engine.passes.graph_attrs import fetch_attr
 from fxport.workers.engine.quantize.int8 import QdqGraph
 from fxport.workers.engine.quantize.layers import Layer
@@ -77,7 +78,8 @@ class _Recorder(Interpreter):
 
     def __init__(self, gm: GraphModule, wanted: set[str]) -> None:
         super().__init__(gm)
-        self.wanted, self.values = wanted, {}
+        self.wanted: set[str] = wanted
+        self.values: dict[str, Any] = {}
 
     def run_node(self, n: Node) -> Any:
         out = super().run_node(n)
@@ -189,13 +191,13 @@ def per_layer(gm: GraphModule, qdq: QdqGraph, layers: list[Layer], batches: list
 def _apply(gm: GraphModule, node: Node, x: torch.Tensor, values: dict[str, Any]) -> torch.Tensor:
     """The float graph's one-input op `node` (a ReLU or clamp) applied to `x` (never in place)."""
     x = x.clone()
-    rest = [fetch_attr(gm, a.target) if isinstance(a, Node) and a.op == "get_attr" else
+    rest = [fetch_attr(gm, target_name(a)) if isinstance(a, Node) and a.op == "get_attr" else
             values.get(a.name) if isinstance(a, Node) else a for a in node.args[1:]]
     if node.op == "call_module":
-        return gm.get_submodule(str(node.target))(x)
+        return cast(torch.Tensor, gm.get_submodule(str(node.target))(x))
     if node.op == "call_method":
-        return getattr(x, str(node.target))(*rest, **node.kwargs)
-    return node.target(x, *rest, **node.kwargs)
+        return cast(torch.Tensor, getattr(x, str(node.target))(*rest, **node.kwargs))
+    return cast(torch.Tensor, target_fn(node)(x, *rest, **node.kwargs))
 
 
 def _dequantized_weight(gm: GraphModule, layer: Layer, qmax: int) -> torch.Tensor:
@@ -210,14 +212,14 @@ def _layer_forward(gm: GraphModule, node: Node, layer: Layer, x: torch.Tensor, w
                    values: dict[str, Any]) -> torch.Tensor:
     """The float graph's layer `node`, with input `x` and weight `weight` swapped in."""
     if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
+        mod: Any = gm.get_submodule(str(node.target))  # an nn.Conv*d, or an nn.Linear (layer.op says which)
         if layer.op == "linear":
             return F.linear(x, weight, mod.bias)
-        return mod._conv_forward(x, weight, mod.bias)
+        return cast(torch.Tensor, mod._conv_forward(x, weight, mod.bias))
 
     def value(a: Any) -> Any:
         if isinstance(a, Node):
-            return fetch_attr(gm, a.target) if a.op == "get_attr" else values[a.name]
+            return fetch_attr(gm, target_name(a)) if a.op == "get_attr" else values[a.name]
         if isinstance(a, (list, tuple)):
             return type(a)(value(b) for b in a)
         return a
@@ -225,4 +227,4 @@ def _layer_forward(gm: GraphModule, node: Node, layer: Layer, x: torch.Tensor, w
     args = [value(a) for a in node.args]
     args[layer.x_arg], args[layer.w_arg] = x, weight
     kwargs = {k: value(v) for k, v in node.kwargs.items()}
-    return node.target(*args, **kwargs)
+    return cast(torch.Tensor, target_fn(node)(*args, **kwargs))

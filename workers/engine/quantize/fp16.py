@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +96,12 @@ def _is_compute(node: Node, gm: GraphModule) -> bool:
     return False
 
 
-def _float_tensor(node: Any) -> bool:
+def _other_than(keep: Node) -> Callable[[Node], bool]:
+    """A replace_all_uses_with `delete_user_cb` that leaves `keep` (the new node itself) reading the old one."""
+    return lambda user: user is not keep
+
+
+def _float_tensor(node: Any) -> TypeGuard[Node]:
     if not isinstance(node, Node):
         return False
     tm = node.meta.get("tensor_meta")
@@ -131,7 +137,7 @@ def to_half(gm: GraphModule, example_inputs: tuple[Any, ...]) -> HalfResult:
         if node.op == "placeholder" and _float_tensor(node):
             anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
             half = cast(node, HALF, after=anchor)
-            node.replace_all_uses_with(half, delete_user_cb=lambda u, h=half: u is not h)
+            node.replace_all_uses_with(half, delete_user_cb=_other_than(half))
         elif node.op == "get_attr":
             value = fetch_attr(hgm, str(node.target))
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != HALF \
@@ -158,7 +164,7 @@ def to_half(gm: GraphModule, example_inputs: tuple[Any, ...]) -> HalfResult:
                                                         and u.target is operator.getitem and _float_tensor(u)]
             for out in outs:
                 half = cast(out, HALF, after=out)
-                out.replace_all_uses_with(half, delete_user_cb=lambda u, h=half: u is not h)
+                out.replace_all_uses_with(half, delete_user_cb=_other_than(half))
         elif node.op in ("call_function", "call_method", "call_module") and _is_compute(node, hgm):
             x = node.args[0] if node.args else None
             if _float_tensor(x):
@@ -201,11 +207,15 @@ def _drop_noop_casts(hgm: GraphModule, example_inputs: tuple[Any, ...]) -> int:
     return dropped
 
 
-_FUNCTIONAL = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d, nn.Linear: F.linear}
+_FUNCTIONAL: dict[type[nn.Module], Callable[..., Any]] = {
+    nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d, nn.Linear: F.linear,
+}
 
 
-def _functional_half(gm: GraphModule, node: Node, mod: nn.Module) -> None:
-    """call_module Conv/Linear ⇒ F.conv*/F.linear on fp16 copies of its weight and bias (in place on `node`)."""
+def _functional_half(gm: GraphModule, node: Node, mod: Any) -> None:
+    """call_module Conv/Linear ⇒ F.conv*/F.linear on fp16 copies of its weight and bias (in place on `node`).
+
+    `mod`: an nn.Conv1d/2d/3d or nn.Linear (a key of _FUNCTIONAL)."""
     target = str(node.target)
     holder = nn.Module()
     holder.register_buffer("weight", mod.weight.detach().to(HALF))

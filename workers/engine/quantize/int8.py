@@ -29,8 +29,9 @@ the form ONNX QDQ and TensorRT explicit quantization consume.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from fxport.workers.engine.passes import node_arg
 from fxport.workers.engine.passes.graph_attrs import (
     fetch_attr,
     is_own_container,
@@ -50,8 +52,8 @@ from fxport.workers.engine.quantize.layers import (
     Layer,
     data_input,
     is_add,
-    is_clamp,
     is_avg_pool,
+    is_clamp,
     is_pass_through,
     is_relu,
 )
@@ -135,7 +137,9 @@ def plan_qdq(gm: GraphModule, layers: Iterable[Layer], quantized: set[str]) -> d
 # --------------------------------------------------------------------------------------
 
 
-def insert_observers(gm: GraphModule, nodes: Iterable[str], kind: str) -> tuple[GraphModule, dict[str, ActivationObserver]]:
+def insert_observers(
+    gm: GraphModule, nodes: Iterable[str], kind: str
+) -> tuple[GraphModule, dict[str, ActivationObserver]]:
     """A copy of `gm` with an observer (a call_module node) after each of `nodes`."""
     obs_gm = copy_graph_module(gm)
     by_name = {n.name: n for n in obs_gm.graph.nodes}
@@ -149,7 +153,8 @@ def insert_observers(gm: GraphModule, nodes: Iterable[str], kind: str) -> tuple[
         anchor = last_placeholder if node.op == "placeholder" else node
         with obs_gm.graph.inserting_after(anchor):
             obs_node = obs_gm.graph.call_module(attr, (node,))
-        node.replace_all_uses_with(obs_node, delete_user_cb=lambda user: user is not obs_node)
+        # called within replace_all_uses_with, in this iteration
+        node.replace_all_uses_with(obs_node, delete_user_cb=lambda user: user is not obs_node)  # noqa: B023
         observers[name] = observer
     obs_gm.graph.lint()
     obs_gm.recompile()
@@ -200,7 +205,7 @@ def convert(gm: GraphModule, layers: list[Layer], quantized: set[str], qparams: 
     graph = qgm.graph
     idle_relus = _idle_relus(qgm, plan, qparams, scheme) if scheme.asymmetric else []
     for relu in idle_relus:  # its input's Q already clips at 0: its readers read that tensor's pair
-        relu.replace_all_uses_with(relu.args[0])
+        relu.replace_all_uses_with(node_arg(relu, 0))
         graph.erase_node(relu)
         plan = {k: v for k, v in plan.items() if k != relu.name}
     by_name = {n.name: n for n in graph.nodes}
@@ -230,7 +235,8 @@ def convert(gm: GraphModule, layers: list[Layer], quantized: set[str], qparams: 
             with graph.inserting_after(q):
                 dq = graph.call_function(qd.dequantize_per_tensor.default, (q, scale, *qargs))
             if user is None:
-                node.replace_all_uses_with(dq, delete_user_cb=lambda u: u is not q)
+                # called within replace_all_uses_with, in this iteration
+                node.replace_all_uses_with(dq, delete_user_cb=lambda u: u is not q)  # noqa: B023
             else:
                 user.replace_input_with(node, dq)
             q.meta["fxport_qdq"] = dq.meta["fxport_qdq"] = {"tensor": name, "scale": scale, "zero_point": zero}
@@ -355,10 +361,11 @@ def _bind_int8_weight(qgm: GraphModule, layer: Layer, qmax: int) -> tuple[str, s
         parent_prefix, leaf = split_target(prefix)
         setattr(_container(qgm, parent_prefix), leaf, fresh)
         if getattr(owner, "bias", None) is not None:
-            fresh.register_buffer("bias", owner.bias.detach())
+            fresh.register_buffer("bias", cast(torch.Tensor, owner.bias).detach())
         owner = fresh
     names = []
-    for suffix, value in (("int8", w_int8), ("scale", w_scale), ("zero_point", torch.zeros_like(w_scale, dtype=torch.int64))):
+    zero_point = torch.zeros_like(w_scale, dtype=torch.int64)
+    for suffix, value in (("int8", w_int8), ("scale", w_scale), ("zero_point", zero_point)):
         attr = unique_name(owner, f"{field_name}_{suffix}")
         owner.register_buffer(attr, value)
         names.append(f"{prefix}.{attr}" if prefix else attr)
@@ -376,15 +383,16 @@ def _functional_layer(qgm: GraphModule, node: Node, layer: Layer, wdq: Node, ori
             new = graph.call_function(F.linear, (x, wdq, bias))
         else:
             fn = {"conv1d": F.conv1d, "conv2d": F.conv2d, "conv3d": F.conv3d}[layer.op]
-            new = graph.call_function(fn, (x, wdq, bias, original.stride, original.padding, original.dilation,
-                                           original.groups))
+            conv_args: tuple[Any, ...] = (x, wdq, bias, original.stride, original.padding, original.dilation,
+                                          original.groups)
+            new = graph.call_function(fn, conv_args)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new
 
 
 def _last_placeholder(gm: GraphModule) -> Node:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders: list[Node] = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
         raise ValueError("the graph has no inputs")
     return placeholders[-1]

@@ -20,20 +20,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
+from torch.fx.node import Target
 
+from fxport.workers.engine.passes import node_arg, target_name
 from fxport.workers.engine.passes.graph_attrs import fetch_attr
 
 aten = torch.ops.aten
 
-CONV_FUNCTIONS = {F.conv1d: "conv1d", F.conv2d: "conv2d", F.conv3d: "conv3d", F.linear: "linear"}
-CONV_ATEN = {
+# keyed by FX targets (a node's `target` is looked up in them)
+CONV_FUNCTIONS: dict[Target, str] = {F.conv1d: "conv1d", F.conv2d: "conv2d", F.conv3d: "conv3d", F.linear: "linear"}
+CONV_ATEN: dict[Target, str] = {
     aten.conv1d.default: "conv1d", aten.conv2d.default: "conv2d", aten.conv3d.default: "conv3d",
     aten.conv1d.padding: "conv1d", aten.conv2d.padding: "conv2d", aten.conv3d.padding: "conv3d",
     aten.linear.default: "linear", aten.convolution.default: "convolution",
 }
 # x @ W with a constant W of shape [in, out] (GPT-2's Conv1D: addmm(bias, x, W)): per-column scales
-MATMUL_ATEN = {aten.addmm.default: (1, 2), aten.mm.default: (0, 1), aten.matmul.default: (0, 1),
-               torch.addmm: (1, 2), torch.mm: (0, 1), torch.matmul: (0, 1)}
+MATMUL_ATEN: dict[Target, tuple[int, int]] = {
+    aten.addmm.default: (1, 2), aten.mm.default: (0, 1), aten.matmul.default: (0, 1),
+    torch.addmm: (1, 2), torch.mm: (0, 1), torch.matmul: (0, 1),
+}
 CONV_MODULES = {nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d", nn.Linear: "linear"}
 _PLAIN_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward, nn.Linear.forward}
 
@@ -81,7 +86,7 @@ class Layer:
     axis: int = 0  # the weight's output-channel axis (1 for a [in, out] matmul weight)
 
     def activation(self, node: Node) -> Node:
-        return node.args[self.x_arg]
+        return node_arg(node, self.x_arg)
 
 
 @dataclass
@@ -96,7 +101,7 @@ def _matches(node: Node, gm: GraphModule, functions: set[Any], modules: tuple[ty
     if node.op == "call_method":
         return node.target in functions
     if node.op == "call_module" and modules:
-        return isinstance(gm.get_submodule(node.target), modules)
+        return isinstance(gm.get_submodule(target_name(node)), modules)
     return False
 
 
@@ -173,7 +178,7 @@ def _display_name(gm: GraphModule, node: Node) -> str:
 def _layer(gm: GraphModule, node: Node) -> Layer | str | None:
     """A Layer, a reason string (a conv/linear that stays float), or None (not a conv/linear)."""
     if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+        mod = gm.get_submodule(target_name(node))
         kind = next((k for t, k in CONV_MODULES.items() if type(mod) is t), None)
         if kind is None:
             if isinstance(mod, tuple(CONV_MODULES)):
@@ -207,7 +212,7 @@ def _layer(gm: GraphModule, node: Node) -> Layer | str | None:
     if not isinstance(weight, Node) or weight.op != "get_attr":
         return "weight is computed in the graph, not a constant"
     try:
-        w = fetch_attr(gm, weight.target)
+        w = fetch_attr(gm, target_name(weight))
     except AttributeError:
         return "weight attribute not found"
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() < 2:
@@ -234,7 +239,7 @@ def _matmul_layer(gm: GraphModule, node: Node) -> Layer | str | None:
     if not isinstance(weight, Node) or weight.op != "get_attr":
         return None  # a product of two activations (attention): not a layer
     try:
-        w = fetch_attr(gm, weight.target)
+        w = fetch_attr(gm, target_name(weight))
     except AttributeError:
         return "weight attribute not found"
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2:

@@ -25,21 +25,39 @@ import math
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
+from fxport.workers.engine.passes import node_arg
 from fxport.workers.engine.passes.graph_attrs import bind_op_args, fetch_attr
 from fxport.workers.engine.quantize.int8 import qd
-from fxport.workers.engine.quantize.layers import CONV_ATEN, CONV_FUNCTIONS, is_add, is_pass_through, is_relu
+from fxport.workers.engine.quantize.layers import (
+    CONV_ATEN,
+    CONV_FUNCTIONS,
+    is_add,
+    is_pass_through,
+    is_relu,
+)
 
 INT8_SHIFT = 128  # int8 [-128, 127] with zero point z == quint8 [0, 255] with zero point z + 128
 
 
 def _quint8_zero_point(zero_point: int, dtype: torch.dtype) -> int:
     return int(zero_point) + (INT8_SHIFT if dtype == torch.int8 else 0)
+
+
+def _q_params(q: Node) -> tuple[float, int]:
+    """(scale, quint8 zero point) of a quantize_per_tensor node: args (x, scale, zero_point, min, max, dtype)."""
+    return float(cast(float, q.args[1])), _quint8_zero_point(cast(int, q.args[2]), cast(torch.dtype, q.args[5]))
+
+
+def _weight_tensors(qgm: GraphModule, dq: Node) -> tuple[Any, Any, Any]:
+    """The int8 weight, scales and zero points a dequantize_per_channel node reads (its get_attr args)."""
+    w, s, z = (fetch_attr(qgm, str(a.target)) for a in cast("tuple[Node, ...]", dq.args[:3]))
+    return w, s, z
 
 
 @dataclass
@@ -83,7 +101,7 @@ class _Lowerer:
                 if old in self.twin:
                     self.env[old] = self.graph.call_method("dequantize", (self.twin[old][0],))
                 elif old.op == "call_function" and old.target is qd.dequantize_per_tensor.default:
-                    q = old.args[0]
+                    q = node_arg(old, 0)
                     self.env[old] = self.graph.call_method("dequantize", (self.twin[q][0],))
                 else:
                     raise RuntimeError(f"node {old.name} has no value in the lowered graph")
@@ -97,7 +115,7 @@ class _Lowerer:
     def int8_input(self, old: Any) -> tuple[Node, float, int] | None:
         """(int8 twin, scale, zero point) if `old` is a DQ of a quantized value, else None."""
         if isinstance(old, Node) and old.op == "call_function" and old.target is qd.dequantize_per_tensor.default:
-            q = old.args[0]
+            q = node_arg(old, 0)
             return self.twin.get(q)
         return None
 
@@ -107,7 +125,7 @@ class _Lowerer:
         users = list(node.users)
         if not users or any(u.op != "call_function" or u.target is not qd.quantize_per_tensor.default for u in users):
             return None
-        params = [(float(u.args[1]), _quint8_zero_point(u.args[2], u.args[5])) for u in users]
+        params = [_q_params(u) for u in users]
         scale, zero = params[0]
         return params[0] if all(_same_scale(scale, s) and z == zero for s, z in params) else None
 
@@ -170,8 +188,8 @@ class _Lowerer:
         return self.graph.get_attr(name)
 
     def dequantized_weight(self, dq: Node) -> Node:
-        w, s, z = (fetch_attr(self.qgm, str(a.target)) for a in dq.args[:3])
-        axis = dq.args[3]
+        w, s, z = _weight_tensors(self.qgm, dq)
+        axis = cast(int, dq.args[3])
         shape = [1] * w.dim()
         shape[axis] = -1
         name = f"_weight_{dq.name}"
@@ -180,7 +198,7 @@ class _Lowerer:
         return self.graph.get_attr(name)
 
     def quantize(self, q: Node) -> None:
-        x, scale, zero = q.args[0], float(q.args[1]), _quint8_zero_point(q.args[2], q.args[5])
+        x, (scale, zero) = node_arg(q, 0), _q_params(q)
         if x in self.twin and _same_scale(self.twin[x][1], scale) and self.twin[x][2] == zero:
             self.twin[q] = self.twin[x]  # the producer already gives this int8 tensor
             return
@@ -233,8 +251,8 @@ class _Lowerer:
         if x is None or not (isinstance(wdq, Node) and wdq.target is qd.dequantize_per_channel.default):
             return False
         kind = CONV_FUNCTIONS.get(node.target) or CONV_ATEN.get(node.target)
-        w_int8, w_scale, w_zp = (fetch_attr(self.qgm, str(a.target)) for a in wdq.args[:3])
-        if int(wdq.args[3]) != 0 or bool((w_zp != 0).any()):
+        w_int8, w_scale, w_zp = _weight_tensors(self.qgm, wdq)
+        if int(cast(int, wdq.args[3])) != 0 or bool((w_zp != 0).any()):
             return False
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -274,19 +292,22 @@ class _Lowerer:
         if b is None:
             return None
         if isinstance(b, Node) and b.op == "get_attr":
-            return fetch_attr(self.qgm, str(b.target)).detach().float()
+            bias: torch.Tensor = fetch_attr(self.qgm, str(b.target))
+            return bias.detach().float()
         raise RuntimeError(f"bias of {node.name} is not a constant")
 
     def _conv_args(self, node: Node) -> tuple[Any, Any, Any, int] | None:
         if node.target in CONV_FUNCTIONS:  # F.conv*(input, weight, bias, stride, padding, dilation, groups)
             names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
             defaults = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
-            got = dict(defaults)
+            got: dict[str, Any] = dict(defaults)
             got.update({n: a for n, a in zip(names, node.args)})
             got.update(node.kwargs)
         else:
             got = bind_op_args(node) or {}
-            if node.target is torch.ops.aten.convolution.default and (got.get("transposed") or any(got.get("output_padding") or [])):
+            if node.target is torch.ops.aten.convolution.default and (
+                got.get("transposed") or any(got.get("output_padding") or [])
+            ):
                 return None
         if any(isinstance(got[k], Node) for k in ("stride", "padding", "dilation", "groups")):
             return None
@@ -323,7 +344,8 @@ class _Lowerer:
             del self.kernels[key]
 
 
-def _fused_copy(mod: nn.Module, cls: type) -> nn.Module:
+def _fused_copy(mod: Any, cls: type) -> nn.Module:
+    """`mod`: a torch.ao quantized Conv/Linear (its weight() and bias() are methods)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         weight, bias = mod.weight(), mod.bias()
@@ -334,7 +356,7 @@ def _fused_copy(mod: nn.Module, cls: type) -> nn.Module:
             new = cls(mod.in_features, mod.out_features, bias=bias is not None)
         new.set_weight_bias(weight, bias)
     new.scale, new.zero_point = mod.scale, mod.zero_point
-    return new
+    return cast(nn.Module, new)
 
 
 def lower_to_quantized_kernels(qgm: GraphModule) -> Lowered:

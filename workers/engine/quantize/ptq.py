@@ -9,8 +9,9 @@ quantized graph the artifacts of that scheme come from.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -123,7 +124,8 @@ def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out:
     all_names = {layer.name for layer in layers}
     qdq = convert(gm, layers, all_names, scales, _valid(plan_qdq(gm, layers, all_names), scales), scheme)
     progress(0.45, "measuring per-layer error on held-out data")
-    metrics, e2e_all = per_layer(gm, qdq, layers, held_out)
+    measured, e2e_all = per_layer(gm, qdq, layers, held_out)
+    metrics: dict[str, dict[str, Any]] = measured  # a fallback layer's cumulative figures become None
 
     target = qspec.target_cosine
     steps: list[dict[str, Any]] = []
@@ -131,7 +133,8 @@ def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out:
     e2e = e2e_all
     if target is not None and e2e_all["cosine"] < target:
         reference = float_outputs(gm, held_out)
-        ranked = sorted((layer for layer in layers if layer.name in metrics), key=lambda l: metrics[l.name]["sqnr_db"])
+        ranked = sorted((layer for layer in layers if layer.name in metrics),
+                        key=lambda lyr: metrics[lyr.name]["sqnr_db"])
         for i, layer in enumerate(ranked):
             fallback.append(layer.name)
             keep = all_names - set(fallback)
@@ -156,9 +159,9 @@ def quantize_int8(gm: GraphModule, calibration: list[tuple[Any, ...]], held_out:
     if norms:
         report["notes"] = [f"{len(norms)} BatchNorm op(s) left in the graph run in float between Q/DQ pairs "
                            "(and cost int8 fusions); add fuse_conv_bn to spec.passes to fold them into the convs"]
-    result = Int8Result(qdq=qdq, layers=layers, report=report, base=gm, qparams=scales)
+    int8_result = Int8Result(qdq=qdq, layers=layers, report=report, base=gm, qparams=scales)
     progress(1.0, "done")
-    return result
+    return int8_result
 
 
 def _is_batch_norm(gm: GraphModule, node: Node) -> bool:
@@ -223,7 +226,8 @@ def layer_table(report: dict[str, Any], limit: int = 12) -> str:
     rows = sorted(report.get("layers", []), key=lambda r: r["sqnr_db"])
     lines = [f"{'layer':<32} {'SQNR dB':>8} {'cosine':>9} {'kept as':>8}"]
     for r in rows[:limit]:
-        lines.append(f"{r['node'][:32]:<32} {r['sqnr_db']:>8.2f} {r['cosine']:>9.5f} {'fp32' if r['fallback'] else 'int8':>8}")
+        kept = "fp32" if r["fallback"] else "int8"
+        lines.append(f"{r['node'][:32]:<32} {r['sqnr_db']:>8.2f} {r['cosine']:>9.5f} {kept:>8}")
     if len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more layers in manifest.json 'quantization.layers'")
     return "\n".join(lines)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from fxport.errors import ConversionFailed
 from fxport.workers.engine.tensorrt.profiles import OptimizationProfile, check_against_network
@@ -70,7 +71,7 @@ def make_logger(trt: Any) -> Any:
     if _LOGGER is not None:
         return _LOGGER
 
-    class _Logger(trt.ILogger):  # type: ignore[misc, name-defined]
+    class _Logger(trt.ILogger):
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
             self.messages: deque[tuple[int, str, str]] = deque(maxlen=500)  # (seq, level, text)
@@ -291,7 +292,8 @@ class EngineBytesFromNetwork:
         parsed = self.network()
         trt, builder, network = parsed.trt, parsed.builder, parsed.network
         problems = []
-        for profile in self.profiles or [None]:
+        candidates: Sequence[OptimizationProfile | None] = self.profiles or [None]
+        for profile in candidates:
             problems += check_against_network(profile, parsed.input_shapes())
         if problems:
             raise ConversionFailed("the spec's input shapes do not fit the ONNX model: " + "; ".join(problems),

@@ -15,9 +15,10 @@ there, and that error names the node too (builder.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
 
 from fxport.errors import ConversionFailed
 from fxport.workers.engine.tensorrt import support_matrix as sm
@@ -113,7 +114,8 @@ def check_preflight(report: PreflightReport) -> None:
     if not errors:
         return
     listed = "; ".join(f.describe() for f in errors[:_MAX_LISTED])
-    more = f"; and {len(errors) - _MAX_LISTED} more (manifest.json tensorrt.preflight)" if len(errors) > _MAX_LISTED else ""
+    more = (f"; and {len(errors) - _MAX_LISTED} more (manifest.json tensorrt.preflight)"
+            if len(errors) > _MAX_LISTED else "")
     raise ConversionFailed(
         f"TensorRT preflight: {len(errors)} problem(s) TensorRT {sm.TENSORRT_VERSION}'s ONNX parser rejects: "
         f"{listed}{more}",
@@ -203,8 +205,8 @@ class _Walk:
                 return
             self.op_counts[f"{node.domain}::{op}"] = self.op_counts.get(f"{node.domain}::{op}", 0) + 1
             self.add("error", label, f"{node.domain}::{op}",
-                     f"custom-domain op: TensorRT's parser takes it only as a plugin registered under that name, "
-                     f"and the GPU worker registers none", where)
+                     "custom-domain op: TensorRT's parser takes it only as a plugin registered under that name, "
+                     "and the GPU worker registers none", where)
             return
         self.op_counts[op] = self.op_counts.get(op, 0) + 1
         if op in ("QuantizeLinear", "DequantizeLinear"):
@@ -242,7 +244,8 @@ class _Walk:
         name = sm.ONNX_TYPE_NAMES.get(elem, f"type {elem}")
         if name not in allowed and name not in sm.UNSUPPORTED_TYPES:  # unsupported types are errors already
             self.add("warning", label, node.op_type,
-                     f"input {node.input[0]!r} is {name}; the table lists {', '.join(sorted(allowed))} for this op", where)
+                     f"input {node.input[0]!r} is {name}; the table lists {', '.join(sorted(allowed))} for this op",
+                     where)
 
 
 _GRAPH, _GRAPHS = 5, 10  # onnx.AttributeProto.GRAPH / GRAPHS

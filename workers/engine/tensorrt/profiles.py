@@ -9,8 +9,9 @@ profile is that substitution, per input. All pure functions: no TensorRT needed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from fxport.errors import InvalidInput
 from fxport.spec import DynamicDim, InputSpec
@@ -93,7 +94,9 @@ def build_profiles(inputs: Sequence[InputSpec], dynamic_dims: Mapping[str, Dynam
     return [OptimizationProfile(tuple(shapes))]
 
 
-def check_against_network(profile: OptimizationProfile | None, network_inputs: Mapping[str, Sequence[int]]) -> list[str]:
+def check_against_network(
+    profile: OptimizationProfile | None, network_inputs: Mapping[str, Sequence[int]]
+) -> list[str]:
     """Problems between a profile and the parsed network's inputs (-1 marks a dynamic dim).
 
     Each problem names the input and dim. Empty when the profile fits (or no profile is needed).
@@ -203,7 +206,7 @@ def verification_points(profiles: Iterable[OptimizationProfile]) -> list[dict[st
     points: list[dict[str, Shape]] = []
     for profile in profiles:
         for which in ("min", "max", "opt"):
-            point = profile.point(which)  # type: ignore[arg-type]
+            point = profile.point(which)
             if point not in points:
                 points.append(point)
     return points

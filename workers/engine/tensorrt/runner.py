@@ -8,8 +8,9 @@ runner checks an engine at every profile's min and max shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class TrtRunner(Runner):
         self.device = torch.device("cuda", 0)
         source = self.source
         data = Path(source).read_bytes() if isinstance(source, (str, Path)) else source
-        self._loader = EngineFromBytes(data)
+        self._loader: EngineFromBytes | None = EngineFromBytes(data)
         self.engine = self._loader()
         self.context = self.engine.create_execution_context()
         if self.context is None:

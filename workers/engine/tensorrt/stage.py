@@ -10,8 +10,9 @@ stage), at every optimization profile's min and max shape, with tolerances per p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fxport.errors import ConversionFailed, VerificationFailed
 from fxport.spec import JobSpec, VerifyOptions
@@ -67,8 +68,15 @@ def build_stage(manifest: dict[str, Any], emit: Emit, *, onnx_path: Path, sig: A
     import onnx
 
     from fxport.workers.engine.tensorrt.builder import (
-        EngineBytesFromNetwork, EngineFromBytes, NetworkFromOnnxPath, SaveEngine, engine_metadata, import_tensorrt,
-        onnx_precision_traits, plan_precision, tensorrt_unavailable,
+        EngineBytesFromNetwork,
+        EngineFromBytes,
+        NetworkFromOnnxPath,
+        SaveEngine,
+        engine_metadata,
+        import_tensorrt,
+        onnx_precision_traits,
+        plan_precision,
+        tensorrt_unavailable,
     )
     from fxport.workers.engine.tensorrt.profiles import build_profiles
     from fxport.workers.engine.tensorrt.runner import TrtRunner
@@ -81,8 +89,8 @@ def build_stage(manifest: dict[str, Any], emit: Emit, *, onnx_path: Path, sig: A
     why = tensorrt_unavailable()
     if why is not None:
         raise ConversionFailed(f"cannot build a TensorRT engine here: {why}", stage="tensorrt",
-                               hint="the tensorrt target needs CUDA and TensorRT: submit the job to a server with a GPU "
-                                    "worker (queue gpu)")
+                               hint="the tensorrt target needs CUDA and TensorRT: "
+                                    "submit the job to a server with a GPU worker (queue gpu)")
     trt = import_tensorrt()
     model = onnx.load(str(onnx_path), load_external_data=False)
     has_fp16, has_qdq = onnx_precision_traits(model)
@@ -114,7 +122,8 @@ def build_stage(manifest: dict[str, Any], emit: Emit, *, onnx_path: Path, sig: A
     record = verify_artifacts(reference, [runner], points, tol.options, compare=comparison,
                               finish=comparison.finish)[0]
     record.update(precision=spec.precision, reference=reference_label,
-                  profile_extremes=[{n: list(s) for n, s in p.point(w).items()} for p in profiles for w in ("min", "max")])
+                  profile_extremes=[{n: list(s) for n, s in p.point(w).items()}
+                                    for p in profiles for w in ("min", "max")])
     manifest.setdefault("verification", []).append(record)
     emit("tensorrt", 1.0, "done")
     if not record["passed"]:
@@ -122,8 +131,8 @@ def build_stage(manifest: dict[str, Any], emit: Emit, *, onnx_path: Path, sig: A
         if spec.verify.fail_on_mismatch:
             raise VerificationFailed(
                 f"the {spec.precision} TensorRT engine does not match {reference_label} ({tol.describe()}): {what}",
-                stage="tensorrt", hint="inspect manifest.json 'verification' and 'tensorrt'; loosen spec.verify only if "
-                                       "the difference is expected")
+                stage="tensorrt", hint="inspect manifest.json 'verification' and 'tensorrt'; "
+                                       "loosen spec.verify only if the difference is expected")
         manifest["warnings"].append(f"tensorrt verification mismatch allowed by spec.verify.fail_on_mismatch=false: "
                                     f"{what}")
     return engine_path
