@@ -144,9 +144,9 @@ def python_read_paths() -> tuple[Path, ...]:
     except AttributeError:  # an old virtualenv's site module
         pass
     for name in ("fxport", "fxport.workers", "fxport.service", "fxport.client"):
-        spec = importlib.util.find_spec(name)
-        assert spec is not None  # fxport's own packages, installed with this module (fxport.workers.sandbox)
-        paths += [Path(p) for p in (spec.submodule_search_locations or ()) if spec is not None]
+        spec = importlib.util.find_spec(name)  # fxport's own packages, installed with this module
+        if spec is not None:
+            paths += [Path(p) for p in (spec.submodule_search_locations or ())]
     return tuple(paths)
 
 
