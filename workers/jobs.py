@@ -460,10 +460,8 @@ def _failure_from(ctx: WorkerContext, rec: JobRecord, exc: Exception, stage: str
         log.warning("could not upload the failed job's manifest: %s", upload_exc)
     if isinstance(exc, FxportError):
         return _fail(ctx, rec.id, exc.stage or stage, exc.code, str(exc), exc.detail, kept)
-    if type(exc).__name__ == "SoftTimeLimitExceeded":
-        limit = ctx.settings.job_soft_time_limit_s
-        return _fail(ctx, rec.id, stage, "timeout",
-                     f"the job ran past the worker's {limit} s time limit during {stage}", None, kept)
+    if past_soft_time_limit(exc):
+        return _fail(ctx, rec.id, stage, "timeout", soft_time_limit_message(ctx.settings, stage), None, kept)
     log.exception("internal error")
     return _fail(ctx, rec.id, stage, "internal", f"internal error during {stage}: {type(exc).__name__}: {exc}",
                  "".join(traceback.format_exception(exc))[-4000:], kept)
@@ -552,6 +550,16 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
     if not changed:
         forget_job_result(ctx.artifacts, cached)
     return rec
+
+
+def past_soft_time_limit(exc: BaseException) -> bool:
+    """Whether `exc` is Celery's SoftTimeLimitExceeded: known by name, since this module also runs
+    where Celery is not imported (the embedded server's pool)."""
+    return type(exc).__name__ == "SoftTimeLimitExceeded"
+
+
+def soft_time_limit_message(settings: Settings, stage: str | None) -> str:
+    return f"the job ran past the worker's {settings.job_soft_time_limit_s} s time limit during {stage}"
 
 
 def _news(said: set[str], message: str) -> bool:

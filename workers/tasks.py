@@ -19,7 +19,14 @@ from fxport.workers.celery_app import (
     message_kept_visible,
 )
 from fxport.workers.job_lease import LeaseHeld
-from fxport.workers.jobs import RetryLater, WorkerContext, execute_job, execute_stage
+from fxport.workers.jobs import (
+    RetryLater,
+    WorkerContext,
+    execute_job,
+    execute_stage,
+    past_soft_time_limit,
+    soft_time_limit_message,
+)
 from fxport.workers.queue_consumers import ConsumerHeartbeat, queue_has_consumers
 
 log = logging.getLogger(__name__)
@@ -187,10 +194,9 @@ def _record_task_failure(sender: Any = None, exception: BaseException | None = N
         rec = jobs.get(job_id)
         if rec is None or rec.terminal:
             return
-        if type(exception).__name__ == "SoftTimeLimitExceeded":  # raised outside the job's own handler
-            limit = context().settings.job_soft_time_limit_s
+        if past_soft_time_limit(exception):  # raised outside the job's own handler
             error = JobErrorInfo(stage=rec.stage, code="timeout",
-                                 message=f"the job ran past the worker's {limit} s time limit during {rec.stage}")
+                                 message=soft_time_limit_message(context().settings, rec.stage))
         elif isinstance(exception, TimeLimitExceeded):
             limit = context().settings.job_hard_time_limit_s
             error = JobErrorInfo(stage=rec.stage, code="timeout",
