@@ -52,11 +52,16 @@ def render_manifest(manifest: dict[str, Any], console: Console) -> None:
             parity = "[yellow]not checked[/]"
             cols = ["", "", ""]
         else:
-            parity = "[green]pass[/]" if v.get("passed") else f"[red]FAIL[/] {v.get('error', '')}"
+            verdict = v.get("verdict") or ("passed" if v.get("passed") else "failed")
+            parity = {"passed": "[green]pass[/]",
+                      "inconclusive": "[yellow]inconclusive[/] (constant output: see warnings)"}.get(
+                verdict, f"[red]FAIL[/] {v.get('error', '')}")
             cols = [f"{v.get('max_abs_diff', 0):.1e}", f"{v.get('cosine', 0):.6f}",
                     str(len(v.get("shapes_checked", [])))]
         digest = art["sha256"][:10] + ("" if art["files"] == 1 else f" +{art['files'] - 1}")
         table.add_row(art["path"], _size(art["bytes"]), digest, *cols, parity)
+    for missing in manifest.get("failed_targets") or []:
+        table.add_row(str(missing.get("target")), "", "", "", "", "", f"[red]not built[/] {missing.get('reason', '')}")
     console.print(table)
     render_benchmark(manifest.get("benchmark") or {}, console)
     render_quantization(manifest.get("quantization") or {}, console)

@@ -78,11 +78,21 @@ class VerificationRecord(_Record):
     max_abs_diff: float | None = None
     max_rel_diff: float | None = None
     cosine: float | None = None
-    passed: bool = False
+    passed: bool = False  # no mismatch found (also when the verdict is "inconclusive")
+    verdict: Literal["passed", "failed", "inconclusive"] | None = None  # None: written before verdicts
     # one shape per point, or with several inputs one list of shapes per point
     shapes_checked: list[list[int] | list[list[int]]] = Field(default_factory=list)
     samples: int | None = None
     outputs: list[OutputCheck] = Field(default_factory=list)
+
+
+class FailedTarget(_Record):
+    """A requested target that was not made, while others were (e.g. a graph-only target of a model
+    no capture method could follow, whose TorchScript and ONNX were built from the eager model)."""
+
+    target: str
+    stage: str | None = None
+    reason: str = ""
 
 
 class ErrorRecord(_Record):
@@ -105,6 +115,7 @@ class Manifest(_Record):
     capture: CaptureRecord | None = None
     passes: list[PassRecord] = Field(default_factory=list)
     artifacts: list[ArtifactRecord] = Field(default_factory=list)
+    failed_targets: list[FailedTarget] = Field(default_factory=list)
     verification: list[VerificationRecord] = Field(default_factory=list)
     profile: dict[str, Any] | None = None
     warnings: list[str] = Field(default_factory=list)

@@ -207,7 +207,8 @@ def _overview_section(m: dict[str, Any]) -> str:
     inp = m.get("input") or {}
     spec = m.get("spec") or {}
     verification = m.get("verification") or []
-    passed = sum(1 for v in verification if v.get("passed"))
+    passed = sum(1 for v in verification if _verdict(v) == "passed")
+    inconclusive = sum(1 for v in verification if _verdict(v) == "inconclusive")
     total_s = sum(float(v) for v in (m.get("timings_s") or {}).values() if isinstance(v, (int, float)))
     cards = [
         ("status", _status_badge(str(m.get("status")))),
@@ -217,8 +218,9 @@ def _overview_section(m: dict[str, Any]) -> str:
         ("targets", _e(", ".join(spec.get("targets") or []) or "none")),
         ("capture", _e((m.get("capture") or {}).get("method") or "not reached")),
         ("artifacts", _e(len({a.get("format") for a in m.get("artifacts") or []}))),
-        ("parity", _status_badge("passed" if passed == len(verification) else "failed",
-                                 f"{passed}/{len(verification)} passed")
+        ("parity", _status_badge(_parity_status(passed, inconclusive, len(verification)),
+                                 f"{passed}/{len(verification)} passed"
+                                 + (f", {inconclusive} inconclusive" if inconclusive else ""))
          if verification else '<span class="note">not run</span>'),
         ("total time", _e(f"{total_s:.2f} s")),
     ]
@@ -341,19 +343,23 @@ def _parity_section(m: dict[str, Any]) -> str:
         # artifact, its shapes listed. A per-shape breakdown ("per_shape") gets one row per shape.
         per_shape = r.get("per_shape") or [{**r, "shapes": r.get("shapes_checked") or []}]
         for s in per_shape:
-            ok = bool(s.get("passed"))
+            verdict = _verdict(s)
+            ok = verdict != "failed"
             shapes = s["shapes"] if "shapes" in s else [s.get("shape")]
             shape_html = ("<br>".join(_code(_shape(x)) for x in shapes if x is not None)
                           or '<span class="note">none</span>')
             rows.append([_e(r.get("format")), _e(r.get("runtime")), shape_html,
                          _num_cell(s.get("max_abs_diff"), "{:.3g}"), _num_cell(s.get("max_rel_diff"), "{:.3g}"),
-                         _num_cell(s.get("cosine"), "{:.8f}"), _status_cell(ok, "pass" if ok else "FAIL"),
+                         _num_cell(s.get("cosine"), "{:.8f}"),
+                         _status_cell(ok, {"passed": "pass", "failed": "FAIL"}.get(verdict, verdict)),
                          _e(s.get("error") or r.get("error") or "")])
             classes.append("ok" if ok else "fail")
     head = ""
     if tol:
         head = (f'<p class="note">Tolerances: atol={_e(tol.get("atol"))}, rtol={_e(tol.get("rtol"))}, '
-                f'min cosine={_e(tol.get("min_cosine"))}; {_e(records[0].get("samples"))} samples per artifact. '
+                + (f'scale_atol={_e(tol.get("scale_atol"))} (× the output\'s largest magnitude), '
+                   if tol.get("scale_atol") is not None else "")
+                + f'min cosine={_e(tol.get("min_cosine"))}; {_e(records[0].get("samples"))} samples per artifact. '
                 "Diffs and cosine are the worst over the shapes checked.</p>")
     headers = ["artifact", "runtime", "shapes checked", "max abs diff", "max rel diff", "cosine", "result", "error"]
     return head + _table(headers, rows, table_id="parity-table", row_classes=classes)
@@ -710,6 +716,17 @@ def _num_cell(value: Any, fmt: str = "{}") -> str:
     except (ValueError, TypeError):
         text = str(value)
     return f'<td class="num">{_e(text)}</td>'
+
+
+def _verdict(record: dict[str, Any]) -> str:
+    """passed / failed / inconclusive; a record written before verdicts has only `passed`."""
+    return str(record.get("verdict") or ("passed" if record.get("passed") else "failed"))
+
+
+def _parity_status(passed: int, inconclusive: int, total: int) -> str:
+    if passed == total:
+        return "passed"
+    return "inconclusive" if passed + inconclusive == total else "failed"
 
 
 def _status_cell(ok: bool, text: str) -> str:

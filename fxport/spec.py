@@ -259,9 +259,23 @@ class TensorRTOptions(_Strict):
 
 
 class VerifyOptions(_Strict):
-    atol: float = Field(1e-4, ge=0)
-    rtol: float = Field(1e-3, ge=0)
+    """How an artifact is compared with the original model (docs/artifacts.md, "Verification").
+
+    An element passes when |artifact - model| <= max(atol, scale_atol * max|model output|) + rtol * |model|:
+    float32 rounding grows with the magnitude of the values a layer sums, not with the element's own
+    value, so an element near zero in an output whose others are near 500 carries the error of 500."""
+
+    atol: float = Field(1e-4, ge=0, description="Absolute tolerance per element (the floor; see scale_atol).")
+    rtol: float = Field(1e-3, ge=0, description="Relative tolerance per element, of the model's own value.")
+    scale_atol: float = Field(
+        1e-5, ge=0, le=1, description="Absolute tolerance per unit of the output's largest magnitude: the "
+        "effective atol of an output is max(atol, scale_atol * max|output|). 1e-5 is about 84 float32 ulps; "
+        "0 makes atol a fixed bound.")
     min_cosine: float = Field(0.999, ge=-1, le=1)
+    max_unmatched_detections: int = Field(
+        0, ge=0, le=10_000, description="Detections (boxes with scores) per sample allowed to have no partner in "
+        "the other side's output, for models whose score threshold or NMS can flip on a last-bit difference. "
+        "Default: every detection must pair up.")
     samples: int = Field(4, ge=1, le=64)
     seed: int = 0
     fail_on_mismatch: bool = True

@@ -397,6 +397,10 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
                 return _cancelled_cleanup(ctx, rec)
             return _failure_from(ctx, rec, exc, current["stage"], out_dir)
 
+    # A model built from its eager form (no graph could be captured) has no ONNX graph to build an
+    # engine from: the CPU stage already recorded tensorrt among its failed targets.
+    if wants_trt and "tensorrt" in {f.get("target") for f in (manifest or {}).get("failed_targets", [])}:
+        wants_trt = False
     if wants_trt:
         # Back to QUEUED until a GPU worker takes the tensorrt stage; the record says whether one exists.
         from fxport.workers.queue_consumers import waiting_message

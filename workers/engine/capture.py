@@ -3,6 +3,9 @@
 Rungs, in order (DESIGN.md §5): torch.fx.symbolic_trace (torch level, readable) →
 torch.export non-strict → torch.export strict, then FX on `ep.module()` (aten level).
 Most third-party models fail the first rung and pass the second: aten level is the common case.
+
+When every rung fails on an nn.Module (`capture: auto`, fp32), the pipeline builds what it can from
+the eager model instead (exporters/eager.py) and records it here as capture method "eager".
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 import traceback
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +130,48 @@ def capture_ladder(loaded: Any, sig: InputSignature, mode: str = "auto") -> Capt
     )
     err.attempts = attempts  # type: ignore[attr-defined]
     raise err
+
+
+def eager_fallback_blocker(loaded: Any, mode: str, precision: str, targets: Sequence[str]) -> str | None:
+    """Why a model no rung could capture cannot be built from its eager form instead (None: it can).
+
+    Only the ladder (`capture: auto`) falls back: a forced rung is a request for that graph. The
+    eager path makes fp32 TorchScript and ONNX only: quantization works on a graph."""
+    from fxport.workers.engine.exporters.eager import EAGER_TARGETS
+
+    if mode != "auto":
+        return f"capture: {mode} asks for that graph; with capture: auto fxport would build from the eager model"
+    if loaded.format == "torch_export" or not isinstance(loaded.module, torch.nn.Module):
+        return "the model is not an eager nn.Module"
+    if precision != "fp32":
+        return (f"precision {precision} needs a graph to quantize; with precision fp32 fxport builds TorchScript "
+                "and ONNX from the eager model")
+    if not any(t in EAGER_TARGETS for t in targets):
+        return f"only {' and '.join(EAGER_TARGETS)} can be built without a graph, and the spec asks for neither"
+    return None
+
+
+def short_capture_reason(failure: CaptureFailed) -> str:
+    """The most telling rung's failure in one line: torch.export's (non-strict) when it ran, where it
+    names the data-dependent expression and the user's line; every rung is in capture.attempts."""
+    attempts = [a for a in getattr(failure, "attempts", []) if not a.get("ok")]
+    if not attempts:
+        return failure.message
+    pick = next((a for a in attempts if a["method"] == "export"), attempts[0])
+    where = f" at {pick['source_line']}" if pick.get("source_line") else ""
+    label = "torch.export" if pick["method"] == "export" else "symbolic_trace"
+    return f"{label}: {pick['error']}{where}"
+
+
+def eager_capture_record(failure: CaptureFailed) -> dict[str, Any]:
+    """The manifest's capture record when the artifacts come from the eager model: every rung
+    tried (as the ladder recorded them) and why none gave a graph."""
+    return {
+        "method": "eager", "level": "eager", "attempts": list(getattr(failure, "attempts", [])),
+        "reason": failure.message,
+        "note": "no graph could be captured: TorchScript and ONNX were built from the eager model, the graph "
+                "passes were skipped, and targets that need a graph were not built",
+    }
 
 
 def _symbolic_trace(module: Any) -> GraphModule:

@@ -19,14 +19,27 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 import fxport
-from fxport.errors import ConversionFailed, FxportError, InvalidInput, ResourceLimitExceeded, VerificationFailed
+from fxport.errors import (
+    CaptureFailed,
+    ConversionFailed,
+    FxportError,
+    InvalidInput,
+    ResourceLimitExceeded,
+    VerificationFailed,
+)
 from fxport.spec import JobSpec
-from fxport.workers.engine.capture import capture_ladder
+from fxport.workers.engine.capture import (
+    Captured,
+    capture_ladder,
+    eager_capture_record,
+    eager_fallback_blocker,
+    short_capture_reason,
+)
 from fxport.workers.engine.exporters import file_sha256
 from fxport.workers.engine.inputs import InputSignature, resolve_signature
 from fxport.workers.engine.load import LoadedModel, load_model
 from fxport.workers.engine.passes import PassContext, run_passes
-from fxport.workers.engine.verify.comparator import SamplePoint, verify_artifacts
+from fxport.workers.engine.verify.comparator import SamplePoint, inconclusive_warnings, verify_artifacts
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -195,11 +208,74 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
     assert sig is not None
 
     with run.stage("capture"):
-        captured = capture_ladder(loaded, sig, spec.capture)
-        manifest["capture"] = {"method": captured.method, "level": captured.level, "attempts": captured.attempts}
-    gm = captured.graph_module
+        captured, capture_failure = _capture(run, loaded, sig, spec)
     example = sig.make_inputs(sig.export_point(), seed=spec.verify.seed)
+    reduced: _Reduced | None = None
+    trt_onnx: Path | None = None
+    if captured is None:
+        assert capture_failure is not None
+        written = _build_from_eager(run, loaded, sig, spec, out_dir, example, capture_failure)
+        if calibration_path is not None:  # the eager path is fp32 only
+            manifest["warnings"].append("calibration data was given but precision is fp32: it was not used")
+    else:
+        written, reduced, trt_onnx = _build_from_graph(run, captured, loaded, sig, spec, out_dir, example,
+                                                       calibration_path)
 
+    with run.stage("verify"):
+        runners, records = _verify_stage(run, loaded, sig, spec, written, reduced)
+
+    if spec.benchmark is not None:
+        with run.stage("benchmark"):
+            from fxport.benchmark import verified_formats
+            from fxport.workers.engine.benchmark import measure
+            from fxport.workers.engine.verify.runners import EagerRunner
+
+            # the ONNX made for TensorRT is timed as the engine, on the GPU, not in onnxruntime here
+            cpu_runners = [r for r in runners if r.name != TENSORRT_ONNX]
+            manifest["benchmark"] = measure([EagerRunner(loaded.module), *cpu_runners], sig, spec.benchmark,
+                                            verified=verified_formats(records), seed=spec.verify.seed,
+                                            emit=run.emit)
+
+    if "tensorrt" in spec.targets and "tensorrt" not in run.deferred and trt_onnx is not None:
+        with run.stage("tensorrt"):
+            from fxport.workers.engine.tensorrt.stage import build_stage
+            from fxport.workers.engine.verify.runners import EagerRunner
+
+            trt_points = (_held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8
+                          else _sample_points(sig, spec))
+            engine = build_stage(manifest, run.emit, onnx_path=trt_onnx, sig=sig, spec=spec, out_dir=out_dir,
+                                 reference=EagerRunner(loaded.module), reference_label="the original model (eager)",
+                                 points=trt_points, timing_cache=run.timing_cache)
+            manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir,
+                                                           int8_scheme=reduced.scheme_of("tensorrt") if reduced else None))
+            _benchmark_engine(run, engine, sig, spec)
+
+
+def _capture(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: JobSpec
+             ) -> tuple[Captured | None, CaptureFailed | None]:
+    """The capture ladder. When it fails on an eager model that can be built without a graph, returns
+    (None, the failure): the artifacts then come from the eager model (`_build_from_eager`)."""
+    try:
+        captured = capture_ladder(loaded, sig, spec.capture)
+    except CaptureFailed as exc:
+        blocker = eager_fallback_blocker(loaded, spec.capture, spec.precision, spec.targets)
+        if blocker is None:
+            run.manifest["capture"] = eager_capture_record(exc)
+            return None, exc
+        if loaded.format != "torch_export" and isinstance(loaded.module, torch.nn.Module):
+            exc.hint = f"{exc.hint}; {blocker}" if exc.hint else blocker
+        raise
+    run.manifest["capture"] = {"method": captured.method, "level": captured.level, "attempts": captured.attempts}
+    return captured, None
+
+
+def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: InputSignature, spec: JobSpec,
+                      out_dir: Path, example: tuple[Any, ...], calibration_path: Path | None
+                      ) -> tuple[dict[str, Path], _Reduced | None, Path | None]:
+    """passes → quantize → export, from the captured graph. Returns the artifacts written, the reduced-
+    precision graphs (None for fp32) and the ONNX model a TensorRT engine would be built from."""
+    manifest = run.manifest
+    gm = captured.graph_module
     with run.stage("passes"):
         ctx = PassContext(level=captured.level, example_inputs=example)
         manifest["graph_before"] = _graph_summary(gm)
@@ -218,7 +294,7 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
 
     written: dict[str, Path] = {}
     with run.stage("export"):
-        targets = [t for t in spec.targets if t in ARTIFACT_PATHS]
+        targets: list[str] = [t for t in spec.targets if t in ARTIFACT_PATHS]
         if _wants_tensorrt(spec, run) and "onnx" not in targets:
             targets.append("onnx")  # the TensorRT engine is built from it
         if _wants_tensorrt(spec, run) and reduced is not None and reduced.separate_tensorrt_onnx:
@@ -228,9 +304,12 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
         for i, target in enumerate(targets):
             run.emit("export", i / max(len(targets), 1), target)
             graph = reduced.graph_for(target) if reduced else gm
-            written[target], note, interface = _export_one(target, graph, example, sig, spec,
-                                                           out_dir, original=loaded.module, extremes=extremes,
-                                                           precision=spec.precision, provenance=provenance)
+
+            def write(path: Path, target: str = target, graph: Any = graph) -> tuple[Path, str]:
+                return _write_artifact(target, graph, example, sig, spec, path, original=loaded.module,
+                                       extremes=extremes, precision=spec.precision, provenance=provenance)
+
+            written[target], note, interface = _export_one(target, write, sig, spec, out_dir, provenance)
             if interface is not None:
                 manifest["outputs"] = interface["outputs"]
             if note and reduced is None:
@@ -250,94 +329,160 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
             from fxport.workers.engine.tensorrt.stage import preflight_stage
 
             run.emit("export", 0.97, "TensorRT preflight")
+            assert trt_onnx is not None  # "onnx" joined the targets above
             preflight_stage(manifest, trt_onnx, spec.precision)
+    return written, reduced, trt_onnx
 
-    with run.stage("verify"):
-        from fxport.workers.engine.verify.precision import PrecisionComparison, tolerances_for
-        from fxport.workers.engine.verify.runners import EagerRunner
 
-        real_data = bool(reduced and reduced.calibration and reduced.calibration.info.get("source") == "file")
-        tol = tolerances_for(spec, real_data=real_data)
-        comparison = PrecisionComparison(tol) if reduced is not None else None
-        points = _held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8 else _sample_points(sig, spec)
-        runners = _runners(written, sig)
-        if reduced is not None and reduced.int8 is not None:
-            runners = _int8_runners(run, reduced, runners)
-        records = verify_artifacts(
-            EagerRunner(loaded.module), runners, points, tol.options,
-            on_runner=lambda name: run.emit("verify", 0.5, name),
-            compare=comparison, finish=comparison.finish if comparison else None,
-        )
-        for record in records:
-            if sig.dynamic_dims and record["format"] in written:
-                record["outside_range"] = _range_guard(record["format"], written[record["format"]])
-        manifest["verification"] = records
-        failed = [r for r in records if not r["passed"]]
-        if failed:
-            table = "; ".join(
-                f"{r['format']}: " + (r.get("error") or
-                                      f"max_abs_diff={r['max_abs_diff']:.3g} cosine={r['cosine']:.6f}"
-                                      + (f" top1={r['top1_agreement']:.3f}" if "top1_agreement" in r else ""))
-                for r in failed
-            )
-            if spec.verify.fail_on_mismatch:
-                detail = None
-                message = (f"{len(failed)} artifact(s) do not match the original model (atol={spec.verify.atol}, "
-                           f"rtol={spec.verify.rtol}, min_cosine={spec.verify.min_cosine}): {table}")
-                hint = "inspect manifest.json 'verification'; loosen spec.verify only if the difference is expected"
-                if reduced is not None:
-                    message = (f"{len(failed)} {spec.precision} artifact(s) miss their target ({tol.describe()}): "
-                               f"{table}")
-                    hint = "see manifest.json 'quantization'"
-                    if reduced.int8 is not None:
-                        from fxport.workers.engine.quantize.ptq import layer_table
+def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: JobSpec, out_dir: Path,
+                      example: tuple[Any, ...], failure: CaptureFailed) -> dict[str, Path]:
+    """No graph: TorchScript and ONNX from the eager model, every other target recorded as not built
+    (manifest "failed_targets", with why). Raises CaptureFailed when not one artifact could be made."""
+    from fxport.workers.engine.exporters.eager import EAGER_TARGETS
 
-                        # the per-layer report of the scheme the first failed artifact was made in
-                        runtime = reduced.runtime_for(failed[0]["format"])
-                        report = manifest["quantization"]["schemes"].get(runtime, manifest["quantization"])
-                        detail = layer_table(report, limit=1000)
-                        message += (f"\nper-layer error of the {runtime} scheme (worst first, held-out data):\n"
-                                    + layer_table(report))
-                        hint = ("set quantization.target_cosine to keep the most damaged layers in fp32, give "
-                                "representative calibration data, or try another calibration observer")
-                        from fxport.workers.engine.quantize.observers import exact_int8_dot_products
+    manifest = run.manifest
+    why = short_capture_reason(failure)
+    manifest["warnings"].append(f"no graph could be captured ({why}): the artifacts are built from the eager "
+                                "model, without the graph passes")
+    with run.stage("passes"):
+        manifest["passes"] = [
+            {"name": p.name, "applied": False, "changed": False,
+             "notes": "not applied: no graph was captured (see capture.reason); the artifacts come from the "
+                      "eager model"}
+            for p in spec.passes]
+    written: dict[str, Path] = {}
+    failed: list[dict[str, str]] = []
+    with run.stage("export", "from the eager model"):
+        extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
+        provenance = _provenance(manifest, spec)
+        for i, target in enumerate(spec.targets):
+            run.emit("export", i / max(len(spec.targets), 1), target)
+            if target not in EAGER_TARGETS:
+                failed.append({"target": target, "stage": "capture",
+                               "reason": f"{target} needs a graph, and none could be captured ({why}; every rung "
+                                         "is in capture.attempts)"})
+                continue
 
-                        if not exact_int8_dot_products() and runtime == "tensorrt":
-                            hint += ("; note that this worker's CPU has no VNNI: its int8 kernels (fbgemm) sum u8×s8 "
-                                     "pairs into saturating int16, which the symmetric TensorRT scheme suffers from "
-                                     "— leave quantization.runtime out (or set onnxruntime) for CPU artifacts")
-                        elif not exact_int8_dot_products() and not reduced.int8.scheme.reduce_range:
-                            hint += ("; note that this worker's CPU has no VNNI: its int8 kernels sum u8×s8 pairs "
-                                     "into saturating int16 — quantization.reduce_range: true (7-bit weights) rules "
-                                     "that out")
-                raise VerificationFailed(message, stage="verify", hint=hint, detail=detail)
-            manifest["warnings"].append(f"verification mismatches allowed by spec.verify.fail_on_mismatch=false: {table}")
+            def write(path: Path, target: str = target) -> tuple[Path, str]:
+                return _write_eager_artifact(target, loaded.module, example, sig, spec, path, extremes=extremes,
+                                             provenance=provenance)
 
-    if spec.benchmark is not None:
-        with run.stage("benchmark"):
-            from fxport.benchmark import verified_formats
-            from fxport.workers.engine.benchmark import measure
-            from fxport.workers.engine.verify.runners import EagerRunner
+            try:
+                written[target], note, interface = _export_one(target, write, sig, spec, out_dir, provenance)
+            except FxportError as exc:
+                failed.append({"target": target, "stage": "export", "reason": str(exc)})
+                continue
+            if interface is not None:
+                manifest["outputs"] = interface["outputs"]
+            manifest["warnings"].append(f"{target}: {note}")
+        manifest["failed_targets"] = failed
+        if not written:
+            err = CaptureFailed(
+                f"{failure.message}; nothing could be built from the eager model either: "
+                + "; ".join(f"{f['target']}: {f['reason']}" for f in failed if f["stage"] != "capture"),
+                stage="capture", hint=failure.hint)
+            err.attempts = getattr(failure, "attempts", [])  # type: ignore[attr-defined]
+            raise err
+        manifest["warnings"].extend(f"{f['target']} was not built: {f['reason']}" for f in failed)
+        for built, path in written.items():
+            manifest["artifacts"].extend(_artifact_records(built, path, out_dir))
+    return written
 
-            # the ONNX made for TensorRT is timed as the engine, on the GPU, not in onnxruntime here
-            cpu_runners = [r for r in runners if r.name != TENSORRT_ONNX]
-            manifest["benchmark"] = measure([EagerRunner(loaded.module), *cpu_runners], sig, spec.benchmark,
-                                            verified=verified_formats(records), seed=spec.verify.seed,
-                                            emit=run.emit)
 
-    if "tensorrt" in spec.targets and "tensorrt" not in run.deferred:
-        with run.stage("tensorrt"):
-            from fxport.workers.engine.tensorrt.stage import build_stage
-            from fxport.workers.engine.verify.runners import EagerRunner
+def _write_eager_artifact(target: str, module: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec,
+                          path: Path, *, extremes: list[tuple[Any, ...]], provenance: dict[str, str]
+                          ) -> tuple[Path, str]:
+    from fxport.workers.engine.exporters.eager import OnnxFromEagerModule, TorchScriptFromEagerModule
+    from fxport.workers.engine.exporters.interface import provenance_extra_files
 
-            trt_points = (_held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8
-                          else _sample_points(sig, spec))
-            engine = build_stage(manifest, run.emit, onnx_path=trt_onnx, sig=sig, spec=spec, out_dir=out_dir,
-                                 reference=EagerRunner(loaded.module), reference_label="the original model (eager)",
-                                 points=trt_points, timing_cache=run.timing_cache)
-            manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir,
-                                                           int8_scheme=reduced.scheme_of("tensorrt") if reduced else None))
-            _benchmark_engine(run, engine, sig, spec)
+    if target == "torchscript":
+        scripted = TorchScriptFromEagerModule(module, example, check_inputs=extremes,
+                                              extra_files=provenance_extra_files(provenance))
+        return scripted(path), scripted.note
+    onnx_exporter = OnnxFromEagerModule(
+        module, example, input_names=[i.name for i in sig.inputs], opset=spec.onnx.opset,
+        single_file=spec.onnx.single_file,
+        dynamic_axes={i.name: {k: d for k, d in enumerate(i.shape) if isinstance(d, str)} for i in sig.inputs})
+    return onnx_exporter(path), onnx_exporter.note
+
+
+def _verify_stage(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: JobSpec, written: dict[str, Path],
+                  reduced: _Reduced | None) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Every artifact against the eager model. Raises VerificationFailed on a mismatch (unless the spec
+    allows it); an inconclusive verdict is a warning. Returns the runners and the records."""
+    from fxport.workers.engine.verify.precision import PrecisionComparison, tolerances_for
+    from fxport.workers.engine.verify.runners import EagerRunner
+
+    manifest = run.manifest
+    real_data = bool(reduced and reduced.calibration and reduced.calibration.info.get("source") == "file")
+    tol = tolerances_for(spec, real_data=real_data)
+    comparison = PrecisionComparison(tol) if reduced is not None else None
+    points = _held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8 else _sample_points(sig, spec)
+    runners = _runners(written, sig)
+    if reduced is not None and reduced.int8 is not None:
+        runners = _int8_runners(run, reduced, runners)
+    records = verify_artifacts(
+        EagerRunner(loaded.module), runners, points, tol.options,
+        on_runner=lambda name: run.emit("verify", 0.5, name),
+        compare=comparison, finish=comparison.finish if comparison else None, output_names=spec.outputs,
+    )
+    for record in records:
+        if sig.dynamic_dims and record["format"] in written:
+            record["outside_range"] = _range_guard(record["format"], written[record["format"]])
+    manifest["verification"] = records
+    manifest["warnings"].extend(inconclusive_warnings(records))
+    failed = [r for r in records if not r["passed"]]
+    if not failed:
+        return runners, records
+    table = "; ".join(
+        f"{r['format']}: " + (r.get("error") or
+                              f"max_abs_diff={r['max_abs_diff']:.3g} cosine={r['cosine']:.6f}"
+                              + (f" top1={r['top1_agreement']:.3f}" if "top1_agreement" in r else ""))
+        for r in failed
+    )
+    if not spec.verify.fail_on_mismatch:
+        manifest["warnings"].append(f"verification mismatches allowed by spec.verify.fail_on_mismatch=false: {table}")
+        return runners, records
+    if reduced is not None:
+        raise _reduced_precision_failure(run, spec, tol, reduced, failed, table)
+    hint = "inspect manifest.json 'verification'; loosen spec.verify only if the difference is expected"
+    if (manifest.get("capture") or {}).get("method") == "eager":
+        hint += ("; these artifacts were built from the eager model: a traced one keeps only the example's path "
+                 "through Python control flow (see the warnings for how each was made)")
+    raise VerificationFailed(
+        f"{len(failed)} artifact(s) do not match the original model ({tol.describe()}): {table}",
+        stage="verify", hint=hint)
+
+
+def _reduced_precision_failure(run: _Run, spec: JobSpec, tol: Any, reduced: _Reduced,
+                               failed: list[dict[str, Any]], table: str) -> VerificationFailed:
+    """The error for fp16/int8 artifacts that miss their target, with the per-layer report for int8."""
+    manifest = run.manifest
+    detail = None
+    message = f"{len(failed)} {spec.precision} artifact(s) miss their target ({tol.describe()}): {table}"
+    hint = "see manifest.json 'quantization'"
+    if reduced.int8 is not None:
+        from fxport.workers.engine.quantize.ptq import layer_table
+
+        # the per-layer report of the scheme the first failed artifact was made in
+        runtime = reduced.runtime_for(failed[0]["format"])
+        report = manifest["quantization"]["schemes"].get(runtime, manifest["quantization"])
+        detail = layer_table(report, limit=1000)
+        message += (f"\nper-layer error of the {runtime} scheme (worst first, held-out data):\n"
+                    + layer_table(report))
+        hint = ("set quantization.target_cosine to keep the most damaged layers in fp32, give "
+                "representative calibration data, or try another calibration observer")
+        from fxport.workers.engine.quantize.observers import exact_int8_dot_products
+
+        if not exact_int8_dot_products() and runtime == "tensorrt":
+            hint += ("; note that this worker's CPU has no VNNI: its int8 kernels (fbgemm) sum u8×s8 "
+                     "pairs into saturating int16, which the symmetric TensorRT scheme suffers from "
+                     "— leave quantization.runtime out (or set onnxruntime) for CPU artifacts")
+        elif not exact_int8_dot_products() and not reduced.int8.scheme.reduce_range:
+            hint += ("; note that this worker's CPU has no VNNI: its int8 kernels sum u8×s8 pairs "
+                     "into saturating int16 — quantization.reduce_range: true (7-bit weights) rules "
+                     "that out")
+    return VerificationFailed(message, stage="verify", hint=hint, detail=detail)
 
 
 @dataclass
@@ -550,11 +695,10 @@ def _check_targets(loaded: LoadedModel, spec: JobSpec, deferred: Sequence[str] =
             )
 
 
-def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, out_dir: Path,
-                *, original: Any, extremes: list[tuple[Any, ...]], precision: str = "fp32",
-                provenance: dict[str, str] | None = None) -> tuple[Path, str, dict[str, Any] | None]:
-    """Write one artifact. Returns its path, a note for the manifest ('' when none) and, for ONNX,
-    its interface (names, dtypes and shapes of inputs and outputs).
+def _export_one(target: str, write: Callable[[Path], tuple[Path, str]], sig: InputSignature, spec: JobSpec,
+                out_dir: Path, provenance: dict[str, str]) -> tuple[Path, str, dict[str, Any] | None]:
+    """Write one artifact with `write(path) -> (written path, note)`. Returns its path, a note for the
+    manifest ('' when none) and, for ONNX, its interface (names, dtypes and shapes of inputs and outputs).
 
     The exporter writes into out_dir/WRITING_DIR; the finished files are then renamed into
     out_dir. So a file under its artifact name is always whole: the worker uploads files
@@ -565,13 +709,11 @@ def _export_one(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignat
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        written, note = _write_artifact(target, gm, example, sig, spec, staging / ARTIFACT_PATHS[target],
-                                        original=original, extremes=extremes, precision=precision,
-                                        provenance=provenance or {})
+        written, note = write(staging / ARTIFACT_PATHS[target])
         interface = None
         if target in ("onnx", TENSORRT_ONNX):  # names and provenance, before anyone can upload it
             interface = finish_onnx(written, input_shapes=[(i.name, i.shape) for i in sig.inputs],
-                                    output_names=spec.outputs, provenance=provenance or {})
+                                    output_names=spec.outputs, provenance=provenance)
         return _publish(staging, written, out_dir), note, interface
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -45,7 +45,9 @@ def finish_onnx(path: Path, *, input_shapes: Sequence[tuple[str, Sequence[int | 
             stage="export", field="outputs", hint=f"give exactly {count} names, or leave outputs out for "
             f"{', '.join(default_output_names(count))}")
     names = list(output_names) if output_names is not None else default_output_names(count)
-    _rename_tensors(graph, {out.name: new for out, new in zip(graph.output, names)})
+    renames = {out.name: new for out, new in zip(graph.output, names)}
+    _name_constant_outputs(graph, renames)
+    _rename_tensors(graph, renames)
     _rename_dims(graph, input_shapes)
     kept = [p for p in model.metadata_props if not p.key.startswith(METADATA_PREFIX)]
     del model.metadata_props[:]
@@ -60,6 +62,25 @@ def finish_onnx(path: Path, *, input_shapes: Sequence[tuple[str, Sequence[int | 
 def provenance_extra_files(provenance: dict[str, str]) -> dict[str, str]:
     """TorchScript `_extra_files` / torch.export `extra_files`: the provenance as one JSON file."""
     return {PROVENANCE_FILE: json.dumps(provenance, sort_keys=True)}
+
+
+def _name_constant_outputs(graph: Any, renames: dict[str, str]) -> None:
+    """An output that is an initializer (a model whose output folded to a constant) or a graph input
+    (an identity model) is made by no node to rename: an Identity node gives it its new name, and the
+    initializer or input keeps its own. Such entries leave `renames`, the graph output is renamed here."""
+    import onnx
+
+    sources = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    taken = sources | {o for n in graph.node for o in n.output}
+    for out in graph.output:
+        new = renames.get(out.name)
+        if out.name in sources and new is not None and new != out.name:
+            if new in taken:
+                raise InvalidInput(f"output name {new!r} is already the name of a tensor inside the ONNX graph",
+                                   stage="export", field="outputs", hint="pick other output names")
+            graph.node.append(onnx.helper.make_node("Identity", [out.name], [new], name=f"fxport_output_{new}"))
+            del renames[out.name]
+            out.name = new
 
 
 def _rename_tensors(graph: Any, renames: dict[str, str]) -> None:

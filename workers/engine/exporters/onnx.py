@@ -81,18 +81,7 @@ class OnnxFromGraphModule:
         return self._checked(path)
 
     def _checked(self, path: Path) -> Path:
-        import onnx
-
-        try:
-            onnx.checker.check_model(str(path), full_check=True)
-        except Exception as exc:
-            raise ConversionFailed(f"the exported ONNX fails onnx.checker: {exc}", stage="export") from exc
-        got = next((o.version for o in onnx.load(str(path), load_external_data=False).opset_import
-                    if o.domain in ("", "ai.onnx")), None)
-        if got != self.opset:
-            raise ConversionFailed(f"the ONNX model came out at opset {got}, not the {self.opset} asked for",
-                                   stage="export", hint=f"use spec.onnx.opset {got}")
-        return path
+        return check_onnx(path, self.opset)
 
     def _export_from_trace(self, path: Path) -> None:
         from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
@@ -114,3 +103,19 @@ class OnnxFromGraphModule:
                 f"ONNX export at opset {self.opset} failed: {first}", stage="export",
                 hint=f"raise spec.onnx.opset (from {TORCH_EXPORT_MIN_OPSET} the torch.export-based exporter writes it)",
             ) from exc
+
+
+def check_onnx(path: Path, opset: int) -> Path:
+    """onnx.checker's full check, and the opset asked for. Raises ConversionFailed."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as exc:
+        raise ConversionFailed(f"the exported ONNX fails onnx.checker: {exc}", stage="export") from exc
+    got = next((o.version for o in onnx.load(str(path), load_external_data=False).opset_import
+                if o.domain in ("", "ai.onnx")), None)
+    if got != opset:
+        raise ConversionFailed(f"the ONNX model came out at opset {got}, not the {opset} asked for",
+                               stage="export", hint=f"use spec.onnx.opset {got}")
+    return path

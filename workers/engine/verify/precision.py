@@ -1,8 +1,10 @@
 """Verification tolerances per precision, and the comparison an fp16 or int8 artifact is judged by.
 
-fp32 artifacts: spec.verify as written (allclose and cosine). Reduced precision changes the
-numbers by design, so the defaults differ — a value the user set in spec.verify always wins:
-- fp16: allclose with atol 2e-2 / rtol 1e-2 (fp16 keeps ~3 significant digits), cosine >= 0.999.
+fp32 artifacts: spec.verify as written (the scale-aware allclose of comparator.py, and cosine).
+Reduced precision changes the numbers by design, so the defaults differ — a value the user set in
+spec.verify always wins:
+- fp16: allclose with atol 2e-2 / rtol 1e-2 / scale_atol 1e-2 (fp16 keeps ~3 significant digits; its
+  rounding, like float32's, scales with the largest values a layer sums), cosine >= 0.999.
 - int8: no absolute diff at all (it is reported, not judged): cosine >= 0.98, or the
   spec's quantization.target_cosine when set; and, when the held-out samples are real data
   from a calibration file, top-1 agreement >= 0.9 on outputs shaped [batch, classes] (the
@@ -18,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from fxport.spec import JobSpec, VerifyOptions
-from fxport.workers.engine.verify.comparator import compare_outputs
+from fxport.workers.engine.verify.comparator import ELEMENTWISE, TOLERANCE_RULE, OutputLayout, compare_outputs
 
-FP16_ATOL, FP16_RTOL, FP16_MIN_COSINE = 2e-2, 1e-2, 0.999
+FP16_ATOL, FP16_RTOL, FP16_SCALE_ATOL, FP16_MIN_COSINE = 2e-2, 1e-2, 1e-2, 0.999
 INT8_MIN_COSINE, INT8_MIN_TOP1 = 0.98, 0.9
 
 
@@ -36,12 +38,14 @@ class Tolerances:
             top = f", top-1 agreement >= {self.min_top1}" if self.min_top1 is not None else ""
             return f"int8: cosine >= {self.options.min_cosine}{top}"
         return (f"{self.precision}: atol={self.options.atol}, rtol={self.options.rtol}, "
-                f"min_cosine={self.options.min_cosine}")
+                f"scale_atol={self.options.scale_atol}, min_cosine={self.options.min_cosine}")
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"precision": self.precision, "min_cosine": self.options.min_cosine}
+        out: dict[str, Any] = {"precision": self.precision, "min_cosine": self.options.min_cosine,
+                               "max_unmatched_detections": self.options.max_unmatched_detections}
         if self.judge_abs_diff:
-            out.update(atol=self.options.atol, rtol=self.options.rtol)
+            out.update(atol=self.options.atol, rtol=self.options.rtol, scale_atol=self.options.scale_atol,
+                       rule=TOLERANCE_RULE)
         if self.min_top1 is not None:
             out["min_top1_agreement"] = self.min_top1
         return out
@@ -60,6 +64,8 @@ def tolerances_for(spec: JobSpec, *, real_data: bool = False) -> Tolerances:
             opts.atol = FP16_ATOL
         if "rtol" not in given:
             opts.rtol = FP16_RTOL
+        if "scale_atol" not in given:
+            opts.scale_atol = FP16_SCALE_ATOL
         if "min_cosine" not in given:
             opts.min_cosine = FP16_MIN_COSINE
         return Tolerances("fp16", opts)
@@ -79,19 +85,38 @@ class PrecisionComparison:
     def __init__(self, tol: Tolerances) -> None:
         self.tol = tol
 
-    def __call__(self, ref: list[np.ndarray], got: list[np.ndarray], opts: VerifyOptions) -> dict[str, Any]:
-        m = compare_outputs(ref, got, self.tol.options)
+    def __call__(self, ref: list[np.ndarray], got: list[np.ndarray], opts: VerifyOptions,
+                 layout: OutputLayout | None = None) -> dict[str, Any]:
+        m = compare_outputs(ref, got, self.tol.options, layout)
         if "error" in m:
             return m
-        if not self.tol.judge_abs_diff:
-            m["passed"] = m["cosine"] >= self.tol.options.min_cosine
+        if not self.tol.judge_abs_diff:  # cosine only; detection groups keep their pairing verdict
+            for entry in m["outputs"]:
+                if entry["compared_as"] == ELEMENTWISE:
+                    entry["passed"] = entry["cosine"] >= self.tol.options.min_cosine
+            m["passed"] = all(entry["passed"] for entry in m["outputs"])
+            self._cosine_only_mismatch(m)
         same = rows = 0
-        for a, b in zip(ref, got):
+        for entry, a, b in zip(m["outputs"], ref, got):
+            if entry["compared_as"] != ELEMENTWISE:
+                continue
             if a.ndim == 2 and a.shape[-1] >= 2 and np.issubdtype(a.dtype, np.floating):
                 same += int((a.argmax(-1) == b.argmax(-1)).sum())
                 rows += int(a.shape[0])
         m["top1_same"], m["top1_rows"] = same, rows
         return m
+
+    def _cosine_only_mismatch(self, m: dict[str, Any]) -> None:
+        """The failure text when the absolute difference is reported, not judged."""
+        detections_failed = any(not e["passed"] and e["compared_as"] != ELEMENTWISE for e in m["outputs"])
+        reasons = [f"{e['name']}: cosine={e['cosine']:.6f} < {self.tol.options.min_cosine}"
+                   for e in m["outputs"] if not e["passed"] and e["compared_as"] == ELEMENTWISE]
+        if detections_failed and m.get("mismatch"):
+            reasons.append(m["mismatch"])
+        if reasons:
+            m["mismatch"] = "; ".join(reasons)
+        else:
+            m.pop("mismatch", None)
 
     def finish(self, record: dict[str, Any]) -> None:
         """Aggregate top-1 agreement over all samples, then judge it (a per-sample top-1 of a batch of 1 is 0 or 1)."""

@@ -19,8 +19,23 @@ import torch
 
 
 def flatten_outputs(out: Any) -> list[np.ndarray]:
-    leaves = torch.utils._pytree.tree_leaves(out)
-    return [leaf.detach().float().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf) for leaf in leaves]
+    """The output's leaves as arrays. Floats become float32; integer and bool outputs keep their
+    dtype (detection labels stay labels: the comparator pairs detections by them)."""
+    return [_as_array(leaf) for leaf in torch.utils._pytree.tree_leaves(out)]
+
+
+def output_paths(out: Any) -> list[str]:
+    """Where each leaf of `out` sits, in `flatten_outputs` order: `[0]['boxes']`, `['logits']`, or ''
+    for a plain tensor. The comparator names outputs by them and finds detection dicts by their keys."""
+    leaves, _ = torch.utils._pytree.tree_flatten_with_path(out)
+    return [torch.utils._pytree.keystr(path) for path, _ in leaves]
+
+
+def _as_array(leaf: Any) -> np.ndarray:
+    if not isinstance(leaf, torch.Tensor):
+        return np.asarray(leaf)
+    leaf = leaf.detach().cpu()
+    return (leaf.float() if leaf.is_floating_point() or leaf.is_complex() else leaf).numpy()
 
 
 class Runner:
@@ -45,16 +60,22 @@ class Runner:
 
 
 class EagerRunner(Runner):
-    """The original model: the reference every artifact is compared with."""
+    """The original model: the reference every artifact is compared with.
+
+    `output_paths` (after each `infer`): where each output leaf sits in what the model returned,
+    which the artifacts' flat outputs do not say."""
 
     name, runtime = "eager", "torch"
 
     def __init__(self, module: Any) -> None:
         self.module = module
+        self.output_paths: list[str] | None = None
 
     def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
         with torch.no_grad():
-            return flatten_outputs(self.module(*args))
+            out = self.module(*args)
+        self.output_paths = output_paths(out)
+        return flatten_outputs(out)
 
 
 class TorchScriptRunner(Runner):
