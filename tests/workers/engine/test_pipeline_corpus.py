@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from fxport.errors import ConversionFailed
 from fxport.spec import parse_spec
 from fxport.workers.engine.exporters import file_sha256
 from fxport.workers.engine.pipeline import WRITING_DIR, convert
@@ -49,27 +48,14 @@ def _check_manifest(manifest: dict, out: Path, case_name: str, targets: tuple[st
         assert stage in manifest["timings_s"]
 
 
-# A .pt2 of these has no eager model to trace: jit.trace of the export graph fixes the batch
-# size (sym sizes become constants), so their TorchScript target fails with a clear error.
-TRACE_FIXES_BATCH = {"hf_bert", "hf_gpt2", "hf_vit"}
-
-
 @pytest.mark.parametrize("name", FAST)
 def test_pt2_through_every_target(name: str, tmp_path: Path) -> None:
     case = CORPUS[name]
     model = save_pt2(case, tmp_path / "model.pt2")
-    targets = tuple(t for t in case.targets if not (name in TRACE_FIXES_BATCH and t == "torchscript"))
-    manifest = convert(model, parse_spec(spec_dict(case, targets=targets)), tmp_path / "out")
+    # hf_bert, hf_gpt2, hf_vit: a trace fixes their dynamic dims, so their TorchScript is scripted
+    manifest = convert(model, parse_spec(spec_dict(case)), tmp_path / "out")
     assert manifest["capture"]["level"] == "aten"
-    _check_manifest(manifest, tmp_path / "out", name, targets)
-
-
-def test_pt2_torchscript_that_would_fix_the_batch_fails_clearly(tmp_path: Path) -> None:
-    case = CORPUS["hf_bert"]
-    model = save_pt2(case, tmp_path / "model.pt2")
-    with pytest.raises(ConversionFailed) as info:
-        convert(model, parse_spec(spec_dict(case, targets=("torchscript",))), tmp_path / "out")
-    assert info.value.stage == "export" and "drop 'torchscript'" in str(info.value)
+    _check_manifest(manifest, tmp_path / "out", name)
 
 
 @pytest.mark.parametrize("name", [n for n in FAST if CORPUS[n].fx_traceable])
@@ -82,7 +68,7 @@ def test_package_captures_at_torch_level(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n in FAST if CORPUS[n].third_party])
-def test_third_party_package_captures_by_export_with_eager_torchscript(name: str, tmp_path: Path) -> None:
+def test_third_party_package_captures_by_export_with_torchscript(name: str, tmp_path: Path) -> None:
     case = CORPUS[name]
     model = save_package(case, tmp_path / "model.pkg")
     manifest = convert(model, parse_spec(spec_dict(case)), tmp_path / "out")
