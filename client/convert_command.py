@@ -204,8 +204,9 @@ def _preflight_rejected(out: Path, exc: FxportError, why: str) -> FxportError:
     findings = []
     for item in pre.get("errors") or ():
         if isinstance(item, dict):
-            findings.append(Finding(**{k: str(item.get(k) or "") for k in ("severity", "node", "op_type", "reason",
-                                                                               "where")}))
+            fields: dict[str, Any] = {k: str(item.get(k) or "") for k in ("severity", "node", "op_type", "reason",
+                                                                          "where")}
+            findings.append(Finding(**fields))
     if manifest is None or not findings:
         return exc  # not the preflight's failure after all: as the engine said it
     listed = "\n".join(f"  {f.describe()}" for f in findings)

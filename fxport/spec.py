@@ -9,8 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Sequence, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -164,7 +165,7 @@ class PassSpec(_Strict):
         return {"name": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _check(self) -> "PassSpec":
+    def _check(self) -> PassSpec:
         info = PASS_CATALOG.get(self.name)
         if info is None:
             raise ValueError(f"unknown pass {self.name!r}; valid passes: {', '.join(PASS_NAMES)}")
@@ -192,7 +193,7 @@ class DynamicDim(_Strict):
     max: int = Field(ge=1, le=MAX_DIM)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "DynamicDim":
+    def _ordered(self) -> DynamicDim:
         if not (self.min <= self.opt <= self.max):
             raise ValueError(f"need min <= opt <= max, got min={self.min}, opt={self.opt}, max={self.max}")
         return self
@@ -200,7 +201,7 @@ class DynamicDim(_Strict):
 
 class InputSpec(_Strict):
     name: str
-    shape: list[Union[int, str]] = Field(min_length=0, max_length=MAX_RANK)
+    shape: list[int | str] = Field(min_length=0, max_length=MAX_RANK)
     dtype: DType = "float32"
 
     @field_validator("name")
@@ -212,7 +213,7 @@ class InputSpec(_Strict):
 
     @field_validator("shape")
     @classmethod
-    def _shape(cls, v: list[Union[int, str]]) -> list[Union[int, str]]:
+    def _shape(cls, v: list[int | str]) -> list[int | str]:
         for i, d in enumerate(v):
             if isinstance(d, int) and not (1 <= d <= MAX_DIM):
                 raise ValueError(f"dim {i} is {d}; a static dim must be between 1 and {MAX_DIM}")
@@ -316,12 +317,14 @@ class Limits(_Strict):
     memory_mb: int = Field(8192, ge=256, le=1 << 20)
 
 
+def _default_targets() -> list[Target]:
+    return ["torchscript", "onnx", "exported_program", "fx_source"]
+
+
 class JobSpec(_Strict):
     inputs: list[InputSpec] = Field(default_factory=list, max_length=MAX_INPUTS)
     dynamic_dims: dict[str, DynamicDim] = Field(default_factory=dict)
-    targets: list[Target] = Field(
-        default_factory=lambda: ["torchscript", "onnx", "exported_program", "fx_source"], min_length=1
-    )
+    targets: list[Target] = Field(default_factory=_default_targets, min_length=1)
     outputs: list[str] | None = Field(
         None, max_length=MAX_INPUTS, description="Names of the model's outputs in flattened order, given to the "
         "ONNX model (and the TensorRT engine built from it); default output_0, output_1, ...")
@@ -387,7 +390,7 @@ class JobSpec(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "JobSpec":
+    def _cross_checks(self) -> JobSpec:
         names = [i.name for i in self.inputs]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -419,7 +422,8 @@ class JobSpec(_Strict):
                 raise ValueError(f"quantization.{key} is set but precision is not int8")
         if q.runtime == "onnxruntime" and "tensorrt" in self.targets:
             raise ValueError("quantization.runtime onnxruntime cannot feed the tensorrt target: TensorRT takes only "
-                             "symmetric int8 (zero point 0); leave quantization.runtime out to get an artifact for each")
+                             "symmetric int8 (zero point 0); leave quantization.runtime out to get an artifact "
+                             "for each")
         if self.precision == "int8" and self.onnx.opset < 18 and any(t in ("onnx", "tensorrt") for t in self.targets):
             raise ValueError(f"onnx.opset {self.onnx.opset} cannot hold int8: fxport writes int8 as per-channel "
                              "Q/DQ through the torch.export-based exporter, which needs opset 18 or newer")
@@ -474,11 +478,11 @@ class JobSpec(_Strict):
 # ---------------------------------------------------------------------------------------
 
 
-def _plain(err: dict[str, Any]) -> str:
+def _plain(err: Mapping[str, Any]) -> str:
     kind = err.get("type", "")
     if kind == "extra_forbidden":
         return "unknown key"
-    msg = err.get("msg", "invalid")
+    msg: str = err.get("msg", "invalid")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     if kind == "literal_error":

@@ -16,4 +16,4 @@ done
 for folder in service workers client; do
   ln -s "$PWD/$folder" "$tree/fxport/$folder"
 done
-(cd "$tree" && mypy --config-file "$OLDPWD/pyproject.toml" -p fxport)
+(cd "$tree" && mypy --config-file "$OLDPWD/pyproject.toml" --cache-dir "$OLDPWD/.fxport/mypy-cache" -p fxport)

@@ -556,7 +556,7 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
     return rec
 
 
-def past_soft_time_limit(exc: BaseException) -> bool:
+def past_soft_time_limit(exc: BaseException | None) -> bool:
     """Whether `exc` is Celery's SoftTimeLimitExceeded: known by name, since this module also runs
     where Celery is not imported (the embedded server's pool)."""
     return type(exc).__name__ == "SoftTimeLimitExceeded"

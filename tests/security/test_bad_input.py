@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -47,7 +47,8 @@ def spec_case(spec: str) -> list[pb.SubmitJobRequest]:
 SUBMIT_CASES: list[tuple[str, Callable[[], list], grpc.StatusCode, str, str | None]] = [
     # -- the stream and the FileHeader -------------------------------------------------------
     ("empty-stream", lambda: [], grpc.StatusCode.INVALID_ARGUMENT, "must carry the header", None),
-    ("chunk-before-header", lambda: [chunk(), header()], grpc.StatusCode.INVALID_ARGUMENT, "must carry the header", None),
+    ("chunk-before-header", lambda: [chunk(), header()], grpc.StatusCode.INVALID_ARGUMENT,
+     "must carry the header", None),
     ("two-headers", lambda: [header(), header()], grpc.StatusCode.INVALID_ARGUMENT,
      "only the first message may be a header", None),
     ("no-model-header", lambda: [pb.SubmitJobRequest(header=pb.SubmitHeader(spec=""))],
@@ -201,7 +202,8 @@ def test_rpc_refuses(stub, secure_stack, method, request_, code, text):
 
 
 def test_watch_and_download_refuse_a_traversal_id(stub, secure_stack):
-    for stream in (stub.WatchJob(pb.WatchJobRequest(job_id="../x"), metadata=secure_stack.metadata("alice"), timeout=10),
+    for stream in (stub.WatchJob(pb.WatchJobRequest(job_id="../x"), metadata=secure_stack.metadata("alice"),
+                                 timeout=10),
                    stub.DownloadArtifact(pb.DownloadArtifactRequest(job_id="..", name="../../etc/passwd"),
                                          metadata=secure_stack.metadata("alice"), timeout=10)):
         with pytest.raises(grpc.RpcError) as info:

@@ -85,14 +85,15 @@ def capture_ladder(loaded: Any, sig: InputSignature, mode: str = "auto") -> Capt
         # The archive already is an export graph: that rung ran on the user's machine.
         return Captured(
             graph_module=fx_from_exported(loaded.exported_program, loaded.module), level="aten", method="export",
-            attempts=[{"method": "export", "ok": True, "note": "input is a torch.export archive; graph used as exported"}],
+            attempts=[{"method": "export", "ok": True,
+                       "note": "input is a torch.export archive; graph used as exported"}],
         )
     module = loaded.module
     args = sig.make_inputs(sig.export_point(), seed=0)
     probe_forward(module, args, sig)
     attempts: list[dict[str, Any]] = []
 
-    rungs = []
+    rungs: list[tuple[str, bool | None]] = []
     if mode in ("auto", "fx"):
         rungs.append(("fx", None))
     if mode in ("auto", "export"):

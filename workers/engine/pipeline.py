@@ -11,10 +11,11 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -129,7 +130,8 @@ def convert(
         "fxport_version": fxport.__version__,
         "job_id": job_id,
         "toolchain": toolchain(),
-        "input": {"format": None, "sha256": input_sha256 or file_sha256(model_path), "bytes": model_path.stat().st_size},
+        "input": {"format": None, "sha256": input_sha256 or file_sha256(model_path),
+                  "bytes": model_path.stat().st_size},
         "spec": spec.normalized(),
         "capture": None,
         "passes": [],
@@ -246,8 +248,8 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
             engine = build_stage(manifest, run.emit, onnx_path=trt_onnx, sig=sig, spec=spec, out_dir=out_dir,
                                  reference=EagerRunner(loaded.module), reference_label="the original model (eager)",
                                  points=trt_points, timing_cache=run.timing_cache)
-            manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir,
-                                                           int8_scheme=reduced.scheme_of("tensorrt") if reduced else None))
+            trt_scheme = reduced.scheme_of("tensorrt") if reduced else None
+            manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir, int8_scheme=trt_scheme))
             _benchmark_engine(run, engine, sig, spec)
 
 
@@ -550,9 +552,13 @@ def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, ex
     by_runtime: dict[str, Any] = {}
     for k, runtime in enumerate(runtimes):
         scheme = scheme_for(runtime, reduce_range=reduce_range)  # type: ignore[arg-type]
+
+        def on_progress(frac: float, msg: str, k: int = k, rt: str = runtime) -> None:
+            run.emit("quantize", share * (k + 1 + frac), f"{rt}: {msg}")
+
         by_runtime[runtime] = quantize_int8(
             gm, data.calibration, data.held_out, spec.quantization, scheme=scheme, calibrated=calibrated,
-            on_progress=lambda frac, msg, k=k, rt=runtime: run.emit("quantize", share * (k + 1 + frac), f"{rt}: {msg}"))
+            on_progress=on_progress)
     result = by_runtime[runtimes[0]]
     machine = machine_info()
     manifest["quantization"] = {
@@ -568,7 +574,8 @@ def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, ex
         if r.report["fallback_layers"]:
             manifest["warnings"].append(
                 f"{label}: {len(r.report['fallback_layers'])} layer(s) kept in fp32 to reach "
-                f"quantization.target_cosine={spec.quantization.target_cosine}: {', '.join(r.report['fallback_layers'])}")
+                f"quantization.target_cosine={spec.quantization.target_cosine}: "
+                f"{', '.join(r.report['fallback_layers'])}")
         if r.report["end_to_end"]["target_met"] is False:
             manifest["warnings"].append(
                 f"{label}: end-to-end cosine {r.report['end_to_end']['cosine']:.5f} misses quantization.target_cosine="
@@ -617,7 +624,8 @@ def _inspect_int8_onnx(run: _Run, reduced: _Reduced, target: str, onnx_path: Pat
     if primary:
         run.manifest["quantization"]["schemes"][result.scheme.runtime]["onnx"] = quant["onnx"]
     if not kernels["int8_kernels"] and result.scheme.runtime == "onnxruntime":
-        run.manifest["warnings"].append("int8: onnxruntime fused no Q/DQ into int8 kernels; the ONNX model runs in float")
+        run.manifest["warnings"].append(
+            "int8: onnxruntime fused no Q/DQ into int8 kernels; the ONNX model runs in float")
     fallback = quant["fallback_layers"]
     if not fallback or result.scheme.runtime != "onnxruntime":
         return
@@ -628,7 +636,8 @@ def _inspect_int8_onnx(run: _Run, reduced: _Reduced, target: str, onnx_path: Pat
     with tempfile.TemporaryDirectory(prefix="fxport-int8-") as tmp:
         all_int8 = result.convert_with({layer.name for layer in result.layers})
         other = OnnxFromGraphModule(all_int8.gm, example, input_names=[i.name for i in sig.inputs],
-                                    dynamic_shapes=sig.dynamic_shapes(), opset=spec.onnx.opset)(Path(tmp) / "all_int8.onnx")
+                                    dynamic_shapes=sig.dynamic_shapes(), opset=spec.onnx.opset)(
+                                        Path(tmp) / "all_int8.onnx")
         with_fallback = oq.onnxruntime_latency_ms(onnx_path, feed)
         without = oq.onnxruntime_latency_ms(other, feed)
     quant["fallback"]["latency"] = {
@@ -652,6 +661,7 @@ def _held_out_points(sig: InputSignature, spec: JobSpec, reduced: _Reduced) -> l
         if dims in covered:
             continue
         if only_batch and reduced.calibration.info.get("layout", "batch") == "batch":
+            assert batch_dim is not None  # only_batch
             pool = [torch.cat([args[k] for args in held], 0) for k in range(len(sig.inputs))]
             n = dims[batch_dim]
             reps = -(-n // pool[0].shape[0])
@@ -763,8 +773,10 @@ def _write_artifact(target: str, gm: Any, example: tuple[Any, ...], sig: InputSi
         if target == "exported_program":
             from fxport.workers.engine.exporters.exported_program import ExportedProgramFromGraphModule
 
-            note = f"load it after `{_QDQ_IMPORT.split('  #')[0]}`: its Q/DQ ops live there" if precision == "int8" else ""
-            return ExportedProgramFromGraphModule(gm, example, sig.dynamic_shapes(), extra_files=extra_files)(path), note
+            qdq_import = _QDQ_IMPORT.split("  #")[0]
+            note = f"load it after `{qdq_import}`: its Q/DQ ops live there" if precision == "int8" else ""
+            return ExportedProgramFromGraphModule(
+                gm, example, sig.dynamic_shapes(), extra_files=extra_files)(path), note
         if target == "fx_source":
             from fxport.workers.engine.exporters.fx_source import FxSourceFromGraphModule
 
@@ -833,7 +845,7 @@ def _runners(written: dict[str, Path], sig: InputSignature) -> list[Any]:
     from fxport.workers.engine.exporters.fx_source import MODULE_CLASS
     from fxport.workers.engine.verify import runners as r
 
-    out = []
+    out: list[Any] = []
     for target, path in written.items():
         if target == "torchscript":
             out.append(r.TorchScriptRunner(path))
@@ -910,6 +922,7 @@ def _benchmark_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpec, out_dir
     assert loaded.onnx_path is not None
     sig = signature_from_onnx(onnx.load(str(loaded.onnx_path), load_external_data=False), spec.inputs,
                               spec.dynamic_dims)
+    assert spec.benchmark is not None  # the caller runs this stage only with spec.benchmark
     run.manifest["benchmark"] = measure([OnnxRuntimeRunner(out_dir / "model.onnx", [i.name for i in sig.inputs])],
                                         sig, spec.benchmark, verified={"onnx"}, seed=spec.verify.seed, emit=run.emit)
 

@@ -47,7 +47,8 @@ def tagger_pt2(tmp_path_factory) -> Path:
 
 def _spec(**extra):
     return parse_spec({"inputs": [{"name": "tokens", "shape": ["batch", "seq"], "dtype": "int64"}],
-                       "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 8}, "seq": {"min": 2, "opt": 6, "max": 16}},
+                       "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 8},
+                                        "seq": {"min": 2, "opt": 6, "max": 16}},
                        "targets": ["onnx", "torchscript", "exported_program"], "verify": {"samples": 1}} | extra)
 
 
@@ -103,7 +104,8 @@ def test_default_output_names_are_stable_and_readable(tagger_pt2, tmp_path) -> N
 def test_provenance_is_in_every_artifact(tagger_pt2, tmp_path) -> None:
     spec = _spec()
     m = convert(tagger_pt2, spec, tmp_path / "out", job_id="01JOBID")
-    want = {"version": m["fxport_version"], "source_sha256": m["input"]["sha256"], "spec_digest": spec.artifact_digest()}
+    want = {"version": m["fxport_version"], "source_sha256": m["input"]["sha256"],
+            "spec_digest": spec.artifact_digest()}
     model = onnx.load(str(tmp_path / "out" / "model.onnx"))
     assert {p.key: p.value for p in model.metadata_props} == {f"fxport.{k}": v for k, v in want.items()}
     files = {PROVENANCE_FILE: ""}

@@ -113,7 +113,8 @@ def test_an_artifact_appears_under_its_name_only_once_it_is_whole(tmp_path: Path
             return written
         monkeypatch.setattr(exporter, "__call__", spy)
     case = CORPUS["cnn_bn"]
-    manifest = convert(save_pt2(case, tmp_path / "model.pt2"), parse_spec(spec_dict(case, targets=("torchscript", "onnx"))), out)
+    manifest = convert(save_pt2(case, tmp_path / "model.pt2"),
+                       parse_spec(spec_dict(case, targets=("torchscript", "onnx"))), out)
     assert [name for name, _ in seen] == ["model.ts", "model.onnx"]
     assert "model.ts" not in seen[0][1] and seen[1][1] == [WRITING_DIR, "model.ts"]  # the earlier one is in place
     assert not (out / WRITING_DIR).exists()  # nothing left over

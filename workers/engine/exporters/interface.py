@@ -17,8 +17,9 @@ TorchScript and `.pt2` archives get the same provenance as extra files (`PROVENA
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from fxport.errors import InvalidInput
 
@@ -87,7 +88,8 @@ def _rename_tensors(graph: Any, renames: dict[str, str]) -> None:
     renames = {old: new for old, new in renames.items() if old != new}
     if not renames:
         return
-    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    taken = ({o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+             | {i.name for i in graph.initializer})
     clash = (set(renames.values()) & taken) - set(renames)
     if clash:
         raise InvalidInput(f"output name(s) {sorted(clash)} are already names of tensors inside the ONNX graph",

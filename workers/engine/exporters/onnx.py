@@ -8,10 +8,11 @@ op that needs a newer opset when there is one."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
-import contextlib
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ import torch
 from torch.fx import GraphModule
 
 from fxport.errors import ConversionFailed
-
 
 TORCH_EXPORT_MIN_OPSET = 18
 
@@ -35,18 +35,18 @@ class OnnxFromGraphModule:
         opset: int = 20,
         single_file: bool = True,
         dynamic_axes: dict[str, dict[int, str]] | None = None,
-        trace_checks: list[tuple[Any, ...]] = (),
+        trace_checks: Sequence[tuple[Any, ...]] = (),
         trace_fallback: Any = None,
     ) -> None:
         self.gm, self.example_inputs = gm, example_inputs
         self.input_names, self.dynamic_shapes = input_names, dynamic_shapes
         self.opset, self.single_file = opset, single_file
         # below opset 18 only: the dynamic dims by input, and what the trace must run at (see torchscript.py)
-        self.dynamic_axes, self.trace_checks, self.trace_fallback = dynamic_axes or {}, list(trace_checks), trace_fallback
+        self.dynamic_axes, self.trace_checks = dynamic_axes or {}, list(trace_checks)
+        self.trace_fallback = trace_fallback
         self.note = ""
 
     def __call__(self, path: Path) -> Path:
-        import onnx
 
         if self.opset < TORCH_EXPORT_MIN_OPSET:
             self._export_from_trace(path)

@@ -7,8 +7,9 @@ import inspect
 import math
 import operator
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.shape_prop import ShapeProp
 
 from fxport.spec import FuseConvBnOptions
-from fxport.workers.engine.passes import PassContext, PassResult
+from fxport.workers.engine.passes import PassContext, PassResult, node_arg, target_fn, target_name
 from fxport.workers.engine.passes.graph_attrs import (
     bind_op_args,
     bind_tensor,
@@ -83,7 +84,7 @@ _TORCH_METHOD_KINDS = {
     "view_as": "reshape", "reshape_as": "reshape", "permute": "permute", "transpose": "transpose",
     "swapaxes": "transpose", "squeeze": "squeeze", "unsqueeze": "unsqueeze", "t": "t", "contiguous": "identity",
 }
-_TORCH_FUNCTION_KINDS = {
+_TORCH_FUNCTION_KINDS: dict[Callable[..., Any], str] = {
     torch.flatten: "flatten", torch.unflatten: "unflatten", torch.reshape: "reshape", torch.permute: "permute",
     torch.transpose: "transpose", torch.swapaxes: "transpose", torch.squeeze: "squeeze",
     torch.unsqueeze: "unsqueeze", torch.t: "t",
@@ -171,8 +172,9 @@ class _Fuser:
     # -- torch level ----------------------------------------------------------------------
 
     def torch_level(self, bn_node: Node) -> None:
-        bn = _module(self.gm, bn_node)
-        site = _Site(type(bn).__name__, bn_node.target)
+        # fuse_conv_bn calls this only for a call_module whose module is a _BatchNorm
+        bn = cast(nn.modules.batchnorm._BatchNorm, _module(self.gm, bn_node))
+        site = _Site(type(bn).__name__, target_name(bn_node))
         if type(bn).forward not in _PLAIN_FORWARDS:
             return self._leave(site, f"{type(bn).__name__} overrides forward, so the fold may not hold")
         if bn.training or bn.running_mean is None or bn.running_var is None:
@@ -187,7 +189,7 @@ class _Fuser:
         bound.apply_defaults()
         args = bound.arguments
         stats = [args["running_mean"], args["running_var"]]
-        owner = split_target(stats[0].target)[0] if _is_attr(stats[0]) else ""
+        owner = split_target(target_name(stats[0]))[0] if _is_attr(stats[0]) else ""
         site = _Site(_functional_kind(bn_node), owner or bn_node.name)
         if isinstance(args["training"], Node):
             return self._leave(site, "its training flag is computed in the graph, so it may use batch statistics")
@@ -219,27 +221,34 @@ class _Fuser:
         producer, ops = self._look_through(src, lambda n: _torch_shape_op(gm, n) is not None)
         layer = _module(gm, producer)
         if not isinstance(layer, (*_CONV_MODULES, nn.Linear)):
-            return self._leave(site, f"its input is not a Conv/Linear ({_describe(gm, producer)}{self._through(ops)})")
+            self._leave(site, f"its input is not a Conv/Linear ({_describe(gm, producer)}{self._through(ops)})")
+            return False
         kind = type(layer).__name__
         if type(layer).forward not in _PLAIN_FORWARDS:
-            return self._leave(site, f"{kind} overrides forward, so the fold may not hold")
+            self._leave(site, f"{kind} overrides forward, so the fold may not hold")
+            return False
         is_linear = isinstance(layer, nn.Linear)
         if is_linear and not self.opts.linear:
-            return self._leave(site, "it follows a Linear and options.linear is false")
+            self._leave(site, "it follows a Linear and options.linear is false")
+            return False
         if why := self._other_readers(producer, ops, kind):
-            return self._leave(site, why)
+            self._leave(site, why)
+            return False
         if sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == producer.target) != 1:
-            return self._leave(site, f"the {kind} module is called more than once")
+            self._leave(site, f"the {kind} module is called more than once")
+            return False
         if why := self._torch_channels_reach_bn(producer, layer, ops):
-            return self._leave(site, why)
-        out_features = layer.out_features if is_linear else layer.out_channels
+            self._leave(site, why)
+            return False
+        out_features = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
         if out_features != features:
-            return self._leave(site, f"it has {features} features, its input {out_features}")
+            self._leave(site, f"it has {features} features, its input {out_features}")
+            return False
         if any(n.op == "get_attr" and n.target.startswith(producer.target + ".") for n in gm.graph.nodes):
-            return self._leave(site, f"the {kind} parameters are also read elsewhere")
-        transposed = isinstance(layer, nn.modules.conv._ConvTransposeNd)
-        weight, bias = _fold(layer.weight, layer.bias, bn, out_axis=0,
-                             transposed_groups=layer.groups if transposed else None)
+            self._leave(site, f"the {kind} parameters are also read elsewhere")
+            return False
+        transposed_groups = layer.groups if isinstance(layer, nn.modules.conv._ConvTransposeNd) else None
+        weight, bias = _fold(layer.weight, layer.bias, bn, out_axis=0, transposed_groups=transposed_groups)
         fused = copy.deepcopy(layer)
         fused.weight = nn.Parameter(weight, requires_grad=False)
         fused.bias = nn.Parameter(bias, requires_grad=False)
@@ -249,7 +258,9 @@ class _Fuser:
         self._record(site, kind, producer.target, ops)
         return True
 
-    def _torch_channels_reach_bn(self, producer: Node, layer: nn.Module, ops: list[Node]) -> str | None:
+    def _torch_channels_reach_bn(
+        self, producer: Node, layer: nn.modules.conv._ConvNd | nn.Linear, ops: list[Node]
+    ) -> str | None:
         """None when the layer's output channels are the batch norm's dim 1 for every input; else why not.
 
         Shapes here are the example's (ShapeProp), so only ranks are taken from them: each
@@ -267,11 +278,15 @@ class _Fuser:
         ranks = [rank, *(self._rank(op) for op in ops)]
         if None in ranks:
             return f"the shapes{self._through(ops)} are unknown without example inputs"
+        assert rank is not None  # ranks[0], and no rank is None
         kind = type(layer).__name__
         axis = _layer_channel_axis(is_linear, rank, layer.weight.dim())
-        channels = layer.out_features if is_linear else layer.out_channels
+        channels = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
         for op, rank_in, rank_out in zip(ops, ranks, ranks[1:]):
-            op_kind, params = _torch_shape_op(self.gm, op)
+            assert rank_in is not None and rank_out is not None  # no rank is None
+            shape_op = _torch_shape_op(self.gm, op)
+            assert shape_op is not None  # `ops` are the nodes _torch_shape_op recognized
+            op_kind, params = shape_op
             try:
                 axis = _torch_channel_axis(op_kind, params, axis, rank_in, rank_out, channels)
             except _Unproven as why:
@@ -282,9 +297,10 @@ class _Fuser:
 
     def aten_level(self, bn_node: Node) -> None:
         bn_args = bind_op_args(bn_node)
+        assert bn_args is not None  # the _BN_OPS are OpOverloads
         stats = [bn_args["running_mean"], bn_args["running_var"]]
         site = _Site(_module_kind(bn_node, "batch_norm"),
-                     (split_target(stats[0].target)[0] if _is_attr(stats[0]) else "") or bn_node.name)
+                     (split_target(target_name(stats[0]))[0] if _is_attr(stats[0]) else "") or bn_node.name)
         if bn_args.get("training", False):
             return self._leave(site, "it normalizes with batch statistics (exported in training mode)")
         if not all(_is_attr(s) for s in stats):
@@ -390,6 +406,7 @@ class _Fuser:
 
     def _plan_conv(self, conv: Node, site: _Site):
         args = bind_op_args(conv)
+        assert args is not None  # the _CONV_OPS are OpOverloads
         transposed = bool(args.get("transposed", False)) or conv.target in _CONV_TRANSPOSE_OPS
         groups = args.get("groups", 1)
         if transposed and not isinstance(groups, int):
@@ -404,6 +421,8 @@ class _Fuser:
     def _plan_linear(self, lin: Node, site: _Site):
         kind = _module_kind(lin, _op_name(lin))
         args = bind_op_args(lin)
+        assert args is not None  # the _LINEAR_OPS are OpOverloads
+        where: tuple[str, str | Node]
         if lin.target == aten.linear.default:
             weight, bias, axis, where = args["weight"], args["bias"], 0, ("arg", "weight")
         else:
@@ -415,7 +434,7 @@ class _Fuser:
                 weight, axis, where = mat2, 1, ("arg", "mat2")  # already (in, out)
             elif (isinstance(mat2, Node) and mat2.target in _PERMUTE_OPS and len(mat2.users) == 1
                   and _is_attr(mat2.args[0])
-                  and (mat2.target == aten.t.default or list(mat2.args[1]) == [1, 0])):
+                  and (mat2.target == aten.t.default or list(cast("Sequence[int]", mat2.args[1])) == [1, 0])):
                 weight, axis, where = mat2.args[0], 0, ("user", mat2)  # (out, in), transposed in graph
             else:
                 return self._leave(site, f"the {kind} weight is not a constant attribute")
@@ -424,7 +443,7 @@ class _Fuser:
         if bias is not None:
             if not _is_attr(bias):
                 return self._leave(site, f"the {kind} bias is computed in the graph, not an attribute")
-            if fetch_attr(self.gm, bias.target).dim() != 1:
+            if fetch_attr(self.gm, target_name(bias)).dim() != 1:
                 return self._leave(site, f"the {kind} bias is not a per-feature vector")
         return weight, bias, axis, where, None
 
@@ -432,23 +451,23 @@ class _Fuser:
         """A Linear that decomposition spelled bmm(x, expand(wᵀ)): its weight is a constant matrix
         broadcast over the batch, which the chain from the get_attr to the bmm must show."""
         kind = _module_kind(bmm, "bmm")
-        node, chain = bmm.args[1], []
+        node, chain = bmm.args[1], cast("list[Node]", [])
         while isinstance(node, Node) and node.target in _BROADCAST_OPS and len(node.users) == 1:
             chain.append(node)
             node = node.args[0]
         if (isinstance(node, Node) and node.target in _PERMUTE_OPS and len(node.users) == 1 and _is_attr(node.args[0])
-                and (node.target == aten.t.default or list(node.args[1]) == [1, 0])):
+                and (node.target == aten.t.default or list(cast("Sequence[int]", node.args[1])) == [1, 0])):
             weight, axis, user = node.args[0], 0, node  # (out, in), transposed in graph
         elif _is_attr(node) and chain:
             weight, axis, user = node, 1, chain[-1]  # already (in, out)
         else:  # attention's q @ k, say
             return self._leave(site, f"its input is not a Conv/Linear ({kind} of computed tensors)")
         matrix = node_shape(node)
-        broadcast = [*chain, *(c.args[0] for c in chain)]  # each op and its input: (…, in, out)
+        broadcast = [*chain, *(node_arg(c, 0) for c in chain)]  # each op and its input: (…, in, out)
         if matrix is None or len(matrix) != 2 or not all(_ends_with(n, matrix) for n in broadcast):
             return self._leave(site, f"the {kind} weight is not one matrix broadcast over the batch")
-        bias = bias_add.args[1] if bias_add is not None else None
-        if bias is not None and fetch_attr(self.gm, bias.target).shape != (matrix[1],):
+        bias = node_arg(bias_add, 1) if bias_add is not None else None  # a get_attr (`_is_bias_add`)
+        if bias is not None and fetch_attr(self.gm, target_name(bias)).shape != (matrix[1],):
             return self._leave(site, f"the {kind} bias is not a per-feature vector")
         return weight, bias, axis, ("user", user), None
 
@@ -483,9 +502,9 @@ class _Fuser:
         """A get_attr node holding `value`: rebinds `old`'s name when nothing else reads it."""
         gm = self.gm
         if old is not None:
-            prefix, field = split_target(old.target)
+            prefix, field = split_target(target_name(old))
             owner = gm.get_submodule(prefix) if prefix else gm
-            current = fetch_attr(gm, old.target)
+            current = fetch_attr(gm, target_name(old))
             if len(old.users) == 1 and uses.get(id(current), 0) == 1 and is_own_container(gm, owner):
                 bind_tensor(owner, field, value, like=current)
                 return old
@@ -633,7 +652,7 @@ def _erase_unused_bn_attrs(gm: GraphModule, prefixes: set[str]) -> None:
 def _module(gm: GraphModule, node) -> nn.Module | None:
     if not isinstance(node, Node) or node.op != "call_module":
         return None
-    return gm.get_submodule(node.target)
+    return gm.get_submodule(target_name(node))
 
 
 _KNOWN_KINDS = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "Conv1d", "Conv2d", "Conv3d", "Linear")
@@ -658,7 +677,7 @@ def _describe(gm: GraphModule, node) -> str:
     if not isinstance(node, Node):
         return repr(node)
     if node.op == "call_module":
-        return f"{type(gm.get_submodule(node.target)).__name__} {node.target}"
+        return f"{type(gm.get_submodule(target_name(node))).__name__} {node.target}"
     if node.op == "call_function":
         return _op_name(node) if hasattr(node.target, "_schema") else getattr(node.target, "__name__", str(node.target))
     return f"{node.op} {node.target}"
@@ -667,9 +686,9 @@ def _describe(gm: GraphModule, node) -> str:
 def _op_label(gm: GraphModule, node: Node) -> str:
     """How notes name a shape op: `flatten` (method, function or aten op), `Flatten` (module)."""
     if node.op == "call_method":
-        return node.target
+        return target_name(node)
     if node.op == "call_module":
-        return type(gm.get_submodule(node.target)).__name__
+        return type(gm.get_submodule(target_name(node))).__name__
     return _op_name(node)
 
 
@@ -682,7 +701,7 @@ def _named(names: list[str], shown: int = 3) -> str:
     return f" ({', '.join(names[:shown])}{more})"
 
 
-def _is_attr(value) -> bool:
+def _is_attr(value: object) -> TypeGuard[Node]:
     return isinstance(value, Node) and value.op == "get_attr"
 
 
@@ -713,7 +732,7 @@ def _is_bias_add(gm: GraphModule, node) -> bool:
     """`add(x, bias)` with a 1-D constant `bias`: how decomposition adds a Linear's bias after a bmm."""
     return (isinstance(node, Node) and node.op == "call_function" and node.target == aten.add.Tensor
             and len(node.args) == 2 and not node.kwargs and isinstance(node.args[0], Node)
-            and _is_attr(node.args[1]) and fetch_attr(gm, node.args[1].target).dim() == 1)
+            and _is_attr(node.args[1]) and fetch_attr(gm, target_name(node_arg(node, 1))).dim() == 1)
 
 
 def _ends_with(node: Node, matrix: tuple) -> bool:
@@ -732,7 +751,7 @@ def _torch_shape_op(gm: GraphModule, node: Node) -> tuple[str, tuple] | None:
     """A torch-level shape op as (kind, arguments after the input), whatever its spelling:
     `x.flatten(0, 1)`, `torch.flatten(x, 0, 1)`, `nn.Flatten(0, 1)`. None for anything else."""
     if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+        mod = gm.get_submodule(target_name(node))
         if type(mod) is nn.Flatten:
             return "flatten", (mod.start_dim, mod.end_dim)
         if type(mod) is nn.Unflatten:
@@ -741,9 +760,9 @@ def _torch_shape_op(gm: GraphModule, node: Node) -> tuple[str, tuple] | None:
             return "identity", ()
         return None
     if node.op == "call_method":
-        kind = _TORCH_METHOD_KINDS.get(node.target)
+        kind = _TORCH_METHOD_KINDS.get(target_name(node))
     elif node.op == "call_function":
-        kind = _TORCH_FUNCTION_KINDS.get(node.target) if _hashable(node.target) else None
+        kind = _TORCH_FUNCTION_KINDS.get(target_fn(node)) if _hashable(node.target) else None
     else:
         return None
     if kind is None or not node.args or not isinstance(node.args[0], Node):
@@ -752,7 +771,7 @@ def _torch_shape_op(gm: GraphModule, node: Node) -> tuple[str, tuple] | None:
     if node.target in ("view_as", "reshape_as"):
         return kind, (None,)  # the shape comes from another tensor
     if kind in ("permute", "reshape"):  # x.permute(0, 2, 1), x.permute((0, 2, 1)), torch.permute(x, dims=...)
-        sizes = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        sizes: Any = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
         if not sizes:
             sizes = kwargs.get("dims", kwargs.get("shape", kwargs.get("size", ())))
         return kind, (tuple(sizes),)
@@ -843,9 +862,11 @@ def _aten_channel_axes(op: Node, axes: set[int]) -> set[int]:
     equal for every input, so a dynamic dim never passes by a coincidence of the example.
     (A set: with one channel, any size-1 dim carries it.)
     """
-    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in (op, op.args[0])):
+    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in (op, node_arg(op, 0))):
         raise _Unproven("has no shape metadata from export")  # ShapeProp's sizes are the example's only
-    src_shape, out_shape = node_shape(op.args[0]), node_shape(op)
+    src_shape, out_shape = node_shape(node_arg(op, 0)), node_shape(op)
+    assert src_shape is not None and out_shape is not None  # both carry a tensor "val"
+
     if op.target in _ATEN_IDENTITIES:
         return axes
     if op.target == aten.add.Tensor:  # a bmm Linear's bias (`_find_aten_layer`): broadcast on the last dim

@@ -9,7 +9,7 @@ leaf module; they rebind names on the containers the GraphModule created for its
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import GraphModule, Node
@@ -187,7 +187,7 @@ def bind_op_args(node: Node) -> dict[str, Any] | None:
 
 def set_op_arg(node: Node, name: str, value: Any) -> None:
     """Set an aten node's argument `name` (by schema), positional if it already is, else as a kwarg."""
-    names = [a.name for a in node.target._schema.arguments]
+    names = [a.name for a in cast(Any, node.target)._schema.arguments]  # an OpOverload: FX types target broadly
     index = names.index(name)
     if index < len(node.args):
         args = list(node.args)

@@ -77,7 +77,7 @@ def explicit_quantization_issues(path: Path) -> dict[str, Any]:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     issues: list[str] = []
-    counts = Counter()
+    counts: Counter[str] = Counter()
     for node in graph.node:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
             continue

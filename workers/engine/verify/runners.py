@@ -10,9 +10,10 @@ import importlib.util
 import pickle
 import sys
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ class Runner:
     name = "runner"
     runtime = "torch"
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         self.activate()
         return self
 

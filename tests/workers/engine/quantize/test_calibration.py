@@ -16,7 +16,8 @@ from fxport.workers.engine.inputs import InputSignature
 IMAGE = InputSignature(inputs=[InputSpec(name="x", shape=["batch", 3, 8, 8])],
                        dynamic_dims={"batch": DynamicDim(min=1, opt=4, max=16)})
 TOKENS = InputSignature(  # two inputs sharing a dynamic sequence dim, static batch
-    inputs=[InputSpec(name="ids", shape=[1, "seq"], dtype="int64"), InputSpec(name="mask", shape=[1, "seq"], dtype="int64")],
+    inputs=[InputSpec(name="ids", shape=[1, "seq"], dtype="int64"),
+            InputSpec(name="mask", shape=[1, "seq"], dtype="int64")],
     dynamic_dims={"seq": DynamicDim(min=4, opt=8, max=16)})
 
 

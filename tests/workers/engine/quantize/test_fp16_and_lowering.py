@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fxport.spec import QuantizationSpec, parse_spec
-from fxport.workers.engine.passes import PassContext, run_passes
 from fxport.workers.engine.capture import fx_from_exported
+from fxport.workers.engine.passes import PassContext, run_passes
 from fxport.workers.engine.quantize.fp16 import to_half
 from fxport.workers.engine.quantize.lowering import lower_to_quantized_kernels
 from fxport.workers.engine.quantize.ptq import quantize_int8

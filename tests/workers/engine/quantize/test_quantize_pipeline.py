@@ -16,8 +16,8 @@ import torch
 from fxport.errors import InvalidInput, VerificationFailed
 from fxport.spec import parse_spec
 from fxport.workers.engine.pipeline import convert
-from tests.models import get
 from fxport.workers.engine.quantize.observers import exact_int8_dot_products
+from tests.models import get
 from tests.workers.engine.conftest import save_package, save_pt2
 
 SENSITIVE = "layer1.0.conv2"

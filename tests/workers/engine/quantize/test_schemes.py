@@ -189,7 +189,7 @@ def test_each_scheme_keeps_its_accuracy_on_held_out_data_in_its_runtime(both_sch
     m, _ = both_schemes
     by_format = {v["format"]: v for v in m["verification"]}
     assert set(by_format) == {"onnx", "torchscript", "onnx_tensorrt"}
-    for fmt, v in by_format.items():
+    for v in by_format.values():
         assert v["passed"], v
         assert v["cosine"] >= 0.98 and v["top1_agreement"] >= 0.6, v  # random weights, 16 calibration samples
     assert "float kernels" in by_format["onnx_tensorrt"]["runtime"]
