@@ -103,13 +103,12 @@ def artifact_format(name: str, manifest_formats: dict[str, str]) -> str:
         return "manifest"
     if name.endswith(".html"):
         return "report"
-    if name.startswith("fx_source/"):
-        return "fx_source"
-    for suffix, fmt in ((".onnx", "onnx"), (".onnx.data", "onnx"), (".ts", "torchscript"),
-                        (".pt2", "exported_program"), (".engine", "tensorrt")):
-        if name.endswith(suffix):
-            return fmt
-    return "file"
+    from fxport.workers.engine.exporters.registry import REGISTRY
+
+    for target in REGISTRY.values():
+        if name == target.path or name.startswith(target.path + "/") or (target.onnx and name == target.path + ".data"):
+            return target.name
+    return "tensorrt" if name.endswith(".engine") else "file"
 
 
 def upload_outputs(

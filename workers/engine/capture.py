@@ -138,7 +138,9 @@ def eager_fallback_blocker(loaded: Any, mode: str, precision: str, targets: Sequ
 
     Only the ladder (`capture: auto`) falls back: a forced rung is a request for that graph. The
     eager path makes fp32 TorchScript and ONNX only: quantization works on a graph."""
-    from fxport.workers.engine.exporters.eager import EAGER_TARGETS
+    from fxport.workers.engine.exporters.registry import REGISTRY
+
+    eager_targets = [name for name, target in REGISTRY.items() if target.from_eager is not None]
 
     if mode != "auto":
         return f"capture: {mode} asks for that graph; with capture: auto fxport would build from the eager model"
@@ -147,8 +149,8 @@ def eager_fallback_blocker(loaded: Any, mode: str, precision: str, targets: Sequ
     if precision != "fp32":
         return (f"precision {precision} needs a graph to quantize; with precision fp32 fxport builds TorchScript "
                 "and ONNX from the eager model")
-    if not any(t in EAGER_TARGETS for t in targets):
-        return f"only {' and '.join(EAGER_TARGETS)} can be built without a graph, and the spec asks for neither"
+    if not any(t in eager_targets for t in targets):
+        return f"only {' and '.join(eager_targets)} can be built without a graph, and the spec asks for neither"
     return None
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 import fxport
+from fxport.digest import sha256_file
 from fxport.errors import (
     CaptureFailed,
     ConversionFailed,
@@ -36,7 +37,7 @@ from fxport.workers.engine.capture import (
     eager_fallback_blocker,
     short_capture_reason,
 )
-from fxport.workers.engine.exporters import file_sha256
+from fxport.workers.engine.exporters.registry import REGISTRY, TENSORRT_ONNX, ExportJob, Writer
 from fxport.workers.engine.inputs import InputSignature, resolve_signature
 from fxport.workers.engine.load import LoadedModel, load_model
 from fxport.workers.engine.passes import PassContext, run_passes
@@ -44,18 +45,7 @@ from fxport.workers.engine.verify.comparator import SamplePoint, inconclusive_wa
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
-TENSORRT_ONNX = "onnx_tensorrt"  # int8 with a CPU target and tensorrt: the engine's own (symmetric) ONNX
-ARTIFACT_PATHS = {
-    "torchscript": "model.ts",
-    "onnx": "model.onnx",
-    "exported_program": "model.pt2",
-    "fx_source": "fx_source",
-    TENSORRT_ONNX: "model.tensorrt.onnx",
-}
-TORCH_TARGETS = ("torchscript", "exported_program", "fx_source")
 WRITING_DIR = ".writing"  # where an exporter writes; never an artifact name (those never start with '.')
-# an int8 .pt2 / FX source calls torch.ops.quantized_decomposed.*, defined by this import
-_QDQ_IMPORT = "import torch.ao.quantization.fx._decomposed  # defines torch.ops.quantized_decomposed (the Q/DQ ops)"
 
 
 def toolchain() -> dict[str, str | None]:
@@ -130,7 +120,7 @@ def convert(
         "fxport_version": fxport.__version__,
         "job_id": job_id,
         "toolchain": toolchain(),
-        "input": {"format": None, "sha256": input_sha256 or file_sha256(model_path),
+        "input": {"format": None, "sha256": input_sha256 or sha256_file(model_path)[0],
                   "bytes": model_path.stat().st_size},
         "spec": spec.normalized(),
         "capture": None,
@@ -296,7 +286,7 @@ def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: I
 
     written: dict[str, Path] = {}
     with run.stage("export"):
-        targets: list[str] = [t for t in spec.targets if t in ARTIFACT_PATHS]
+        targets: list[str] = [t for t in spec.targets if t in REGISTRY]
         if _wants_tensorrt(spec, run) and "onnx" not in targets:
             targets.append("onnx")  # the TensorRT engine is built from it
         if _wants_tensorrt(spec, run) and reduced is not None and reduced.separate_tensorrt_onnx:
@@ -305,13 +295,10 @@ def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: I
         provenance = _provenance(manifest, spec)
         for i, target in enumerate(targets):
             run.emit("export", i / max(len(targets), 1), target)
-            graph = reduced.graph_for(target) if reduced else gm
-
-            def write(path: Path, target: str = target, graph: Any = graph) -> tuple[Path, str]:
-                return _write_artifact(target, graph, example, sig, spec, path, original=loaded.module,
-                                       extremes=extremes, precision=spec.precision, provenance=provenance)
-
-            written[target], note, interface = _export_one(target, write, sig, spec, out_dir, provenance)
+            job = ExportJob(graph=reduced.graph_for(target) if reduced else gm, module=loaded.module,
+                            example=example, sig=sig, spec=spec, extremes=extremes, precision=spec.precision,
+                            provenance=provenance)
+            written[target], note, interface = _export_one(target, REGISTRY[target].from_graph, job, out_dir)
             if interface is not None:
                 manifest["outputs"] = interface["outputs"]
             if note and reduced is None:
@@ -340,8 +327,6 @@ def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec:
                       example: tuple[Any, ...], failure: CaptureFailed) -> dict[str, Path]:
     """No graph: TorchScript and ONNX from the eager model, every other target recorded as not built
     (manifest "failed_targets", with why). Raises CaptureFailed when not one artifact could be made."""
-    from fxport.workers.engine.exporters.eager import EAGER_TARGETS
-
     manifest = run.manifest
     why = short_capture_reason(failure)
     manifest["warnings"].append(f"no graph could be captured ({why}): the artifacts are built from the eager "
@@ -359,18 +344,16 @@ def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec:
         provenance = _provenance(manifest, spec)
         for i, target in enumerate(spec.targets):
             run.emit("export", i / max(len(spec.targets), 1), target)
-            if target not in EAGER_TARGETS:
+            from_eager = REGISTRY[target].from_eager if target in REGISTRY else None
+            if from_eager is None:
                 failed.append({"target": target, "stage": "capture",
                                "reason": f"{target} needs a graph, and none could be captured ({why}; every rung "
                                          "is in capture.attempts)"})
                 continue
-
-            def write(path: Path, target: str = target) -> tuple[Path, str]:
-                return _write_eager_artifact(target, loaded.module, example, sig, spec, path, extremes=extremes,
-                                             provenance=provenance)
-
+            job = ExportJob(graph=None, module=loaded.module, example=example, sig=sig, spec=spec,
+                            extremes=extremes, precision="fp32", provenance=provenance)
             try:
-                written[target], note, interface = _export_one(target, write, sig, spec, out_dir, provenance)
+                written[target], note, interface = _export_one(target, from_eager, job, out_dir)
             except FxportError as exc:
                 failed.append({"target": target, "stage": "export", "reason": str(exc)})
                 continue
@@ -389,23 +372,6 @@ def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec:
         for built, path in written.items():
             manifest["artifacts"].extend(_artifact_records(built, path, out_dir))
     return written
-
-
-def _write_eager_artifact(target: str, module: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec,
-                          path: Path, *, extremes: list[tuple[Any, ...]], provenance: dict[str, str]
-                          ) -> tuple[Path, str]:
-    from fxport.workers.engine.exporters.eager import OnnxFromEagerModule, TorchScriptFromEagerModule
-    from fxport.workers.engine.exporters.interface import provenance_extra_files
-
-    if target == "torchscript":
-        scripted = TorchScriptFromEagerModule(module, example, check_inputs=extremes,
-                                              extra_files=provenance_extra_files(provenance))
-        return scripted(path), scripted.note
-    onnx_exporter = OnnxFromEagerModule(
-        module, example, input_names=[i.name for i in sig.inputs], opset=spec.onnx.opset,
-        single_file=spec.onnx.single_file,
-        dynamic_axes={i.name: {k: d for k, d in enumerate(i.shape) if isinstance(d, str)} for i in sig.inputs})
-    return onnx_exporter(path), onnx_exporter.note
 
 
 def _verify_stage(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: JobSpec, written: dict[str, Path],
@@ -430,7 +396,7 @@ def _verify_stage(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: Job
     )
     for record in records:
         if sig.dynamic_dims and record["format"] in written:
-            record["outside_range"] = _range_guard(record["format"], written[record["format"]])
+            record["outside_range"] = REGISTRY[record["format"]].past_range(written[record["format"]])
     manifest["verification"] = records
     manifest["warnings"].extend(inconclusive_warnings(records))
     failed = [r for r in records if not r["passed"]]
@@ -705,10 +671,10 @@ def _check_targets(loaded: LoadedModel, spec: JobSpec, deferred: Sequence[str] =
             )
 
 
-def _export_one(target: str, write: Callable[[Path], tuple[Path, str]], sig: InputSignature, spec: JobSpec,
-                out_dir: Path, provenance: dict[str, str]) -> tuple[Path, str, dict[str, Any] | None]:
-    """Write one artifact with `write(path) -> (written path, note)`. Returns its path, a note for the
-    manifest ('' when none) and, for ONNX, its interface (names, dtypes and shapes of inputs and outputs).
+def _export_one(target: str, writer: Writer, job: ExportJob, out_dir: Path
+                ) -> tuple[Path, str, dict[str, Any] | None]:
+    """Write one artifact with its registry writer. Returns its path, a note for the manifest ('' when
+    none) and, for ONNX, its interface (names, dtypes and shapes of inputs and outputs).
 
     The exporter writes into out_dir/WRITING_DIR; the finished files are then renamed into
     out_dir. So a file under its artifact name is always whole: the worker uploads files
@@ -719,11 +685,11 @@ def _export_one(target: str, write: Callable[[Path], tuple[Path, str]], sig: Inp
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        written, note = write(staging / ARTIFACT_PATHS[target])
+        written, note = _write_artifact(target, writer, job, staging / REGISTRY[target].path)
         interface = None
-        if target in ("onnx", TENSORRT_ONNX):  # names and provenance, before anyone can upload it
-            interface = finish_onnx(written, input_shapes=[(i.name, i.shape) for i in sig.inputs],
-                                    output_names=spec.outputs, provenance=provenance)
+        if REGISTRY[target].onnx:  # names and provenance, before anyone can upload it
+            interface = finish_onnx(written, input_shapes=[(i.name, i.shape) for i in job.sig.inputs],
+                                    output_names=job.spec.outputs, provenance=job.provenance)
         return _publish(staging, written, out_dir), note, interface
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -750,47 +716,10 @@ def _publish(staging: Path, written: Path, out_dir: Path) -> Path:
     return out_dir / written.relative_to(staging)
 
 
-def _write_artifact(target: str, gm: Any, example: tuple[Any, ...], sig: InputSignature, spec: JobSpec, path: Path,
-                    *, original: Any, extremes: list[tuple[Any, ...]], precision: str,
-                    provenance: dict[str, str]) -> tuple[Path, str]:
-    from fxport.workers.engine.exporters.interface import provenance_extra_files
-
-    extra_files = provenance_extra_files(provenance) if provenance else {}
+def _write_artifact(target: str, writer: Writer, job: ExportJob, path: Path) -> tuple[Path, str]:
+    """`writer(job, path)`, with an exporter's own failure turned into a ConversionFailed naming the target."""
     try:
-        if target == "torchscript" and precision == "int8":
-            from fxport.workers.engine.exporters.torchscript_int8 import TorchScriptInt8FromQdqGraph
-
-            int8_exporter = TorchScriptInt8FromQdqGraph(gm, example, check_inputs=extremes, extra_files=extra_files)
-            return int8_exporter(path), int8_exporter.note
-        if target == "torchscript":
-            from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
-
-            # the original model is fp32: never a stand-in for an fp16 archive
-            exporter = TorchScriptFromGraphModule(gm, example, spec.torchscript.method, check_inputs=extremes,
-                                                  fallback=original if precision == "fp32" else None,
-                                                  extra_files=extra_files)
-            return exporter(path), exporter.note
-        if target == "exported_program":
-            from fxport.workers.engine.exporters.exported_program import ExportedProgramFromGraphModule
-
-            qdq_import = _QDQ_IMPORT.split("  #")[0]
-            note = f"load it after `{qdq_import}`: its Q/DQ ops live there" if precision == "int8" else ""
-            return ExportedProgramFromGraphModule(
-                gm, example, sig.dynamic_shapes(), extra_files=extra_files)(path), note
-        if target == "fx_source":
-            from fxport.workers.engine.exporters.fx_source import FxSourceFromGraphModule
-
-            imports = (_QDQ_IMPORT,) if precision == "int8" else ()
-            return FxSourceFromGraphModule(gm, imports=imports)(path), ""
-        from fxport.workers.engine.exporters.onnx import OnnxFromGraphModule
-
-        onnx_exporter = OnnxFromGraphModule(
-            gm, example, input_names=[i.name for i in sig.inputs], dynamic_shapes=sig.dynamic_shapes(),
-            opset=spec.onnx.opset, single_file=spec.onnx.single_file,
-            dynamic_axes={i.name: {k: d for k, d in enumerate(i.shape) if isinstance(d, str)} for i in sig.inputs},
-            trace_checks=extremes, trace_fallback=original if precision == "fp32" else None,
-        )
-        return onnx_exporter(path), onnx_exporter.note
+        return writer(job, path)
     except FxportError:
         raise
     except Exception as exc:
@@ -803,12 +732,13 @@ def _write_artifact(target: str, gm: Any, example: tuple[Any, ...], sig: InputSi
 
 def _artifact_records(target: str, path: Path, out_dir: Path, *, int8_scheme: str | None = None
                       ) -> list[dict[str, Any]]:
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    if target in ("onnx", TENSORRT_ONNX) and path.with_name(path.name + ".data").exists():
-        files.append(path.with_name(path.name + ".data"))
+    if target in REGISTRY:
+        files = REGISTRY[target].files(path)
+    else:  # the TensorRT engine, written by its own stage
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     scheme = {"int8_scheme": int8_scheme} if int8_scheme else {}
     return [
-        {"format": target, "path": str(f.relative_to(out_dir)), "bytes": f.stat().st_size, "sha256": file_sha256(f),
+        {"format": target, "path": str(f.relative_to(out_dir)), "bytes": f.stat().st_size, "sha256": sha256_file(f)[0],
          **scheme}
         for f in files
     ]
@@ -827,37 +757,8 @@ def _sample_points(sig: InputSignature, spec: JobSpec) -> list[SamplePoint]:
     return points
 
 
-def _range_guard(target: str, path: Path) -> str:
-    """What an artifact does with a shape past the spec's ranges (only the ranges are verified).
-    A .pt2 carries torch.export's guards and refuses; an FX source whose graph kept torch.export's
-    runtime asserts refuses too; ONNX models and TorchScript archives have no ranges and run any
-    size. (tests/workers/engine/test_interface.py runs each artifact past its range and checks this.)"""
-    if target == "exported_program":
-        return "refused: torch.export's guards check every dim against its range"
-    if target == "fx_source":
-        source = (path / "module.py").read_text(errors="replace") if (path / "module.py").is_file() else ""
-        if any(op in source for op in ("_assert_scalar", "sym_constrain_range", "_assert_async")):
-            return "refused: the graph kept torch.export's runtime asserts on the dims"
-    return "runs (not verified): the artifact has no range of its own"
-
-
 def _runners(written: dict[str, Path], sig: InputSignature) -> list[Any]:
-    from fxport.workers.engine.exporters.fx_source import MODULE_CLASS
-    from fxport.workers.engine.verify import runners as r
-
-    out: list[Any] = []
-    for target, path in written.items():
-        if target == "torchscript":
-            out.append(r.TorchScriptRunner(path))
-        elif target == "exported_program":
-            out.append(r.ExportedProgramRunner(path))
-        elif target == "fx_source":
-            out.append(r.FxSourceRunner(path, MODULE_CLASS))
-        elif target in ("onnx", TENSORRT_ONNX):
-            runner = r.OnnxRuntimeRunner(path, [i.name for i in sig.inputs])
-            runner.name = target
-            out.append(runner)
-    return out
+    return [REGISTRY[target].runner(path, sig) for target, path in written.items()]
 
 
 def _graph_summary(gm: Any) -> dict[str, Any]:

@@ -24,9 +24,9 @@ import pytest
 import torch
 from torch import nn
 
+from fxport.digest import sha256_file
 from fxport.errors import ConversionFailed
 from fxport.spec import parse_spec
-from fxport.workers.engine.exporters import file_sha256
 from fxport.workers.engine.exporters.fx_source import (
     MODULE_CLASS,
     WEIGHTS_FILE,
@@ -265,7 +265,7 @@ def test_same_graph_same_bytes(tmp_path: Path) -> None:
     FxSourceFromGraphModule(gm)(tmp_path / "a")
     FxSourceFromGraphModule(gm)(tmp_path / "b")
     for name in FILES:
-        assert file_sha256(tmp_path / "a" / name) == file_sha256(tmp_path / "b" / name), name
+        assert sha256_file(tmp_path / "a" / name) == sha256_file(tmp_path / "b" / name), name
 
 
 def _returning_attribute(name: str, value: Any) -> torch.fx.GraphModule:

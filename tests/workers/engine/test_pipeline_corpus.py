@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from fxport.digest import sha256_file
 from fxport.spec import parse_spec
-from fxport.workers.engine.exporters import file_sha256
 from fxport.workers.engine.pipeline import WRITING_DIR, convert
 from tests.models import CORPUS
 from tests.workers.engine.conftest import save_package, save_pt2, spec_dict
@@ -29,7 +29,7 @@ def _check_manifest(manifest: dict, out: Path, case_name: str, targets: tuple[st
     formats = {a["format"] for a in manifest["artifacts"]}
     assert formats == set(targets)
     for art in manifest["artifacts"]:
-        assert file_sha256(out / art["path"]) == art["sha256"]
+        assert sha256_file(out / art["path"])[0] == art["sha256"]
     verified = {v["format"]: v for v in manifest["verification"]}
     assert set(verified) == set(targets)
     for fmt, v in verified.items():

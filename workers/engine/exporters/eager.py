@@ -22,7 +22,6 @@ import torch
 from fxport.errors import ConversionFailed
 from fxport.workers.engine.exporters.onnx import check_onnx
 
-EAGER_TARGETS = ("torchscript", "onnx")  # what can be built without a graph
 LEGACY_ONNX_MAX_OPSET = 20  # torch.onnx's TorchScript-based exporter writes opsets up to this (torch 2.13)
 
 

@@ -1,0 +1,194 @@
+"""The export targets, one entry each: where the artifact goes, what writes it, what runs it to
+verify it, and what it does past the spec's ranges.
+
+Adding a target is one `Target` here, its exporter and its runner; the pipeline reads everything
+else from the entry. (The spec's list of target names, `fxport.spec.TARGETS`, lives in the client
+install, which never imports the engine: tests/workers/engine/test_registry.py keeps the two in step.)
+
+Exporters and runners are imported when a target is written or run, never here: importing the
+registry costs nothing, and a job pays only for the targets it asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fxport.spec import JobSpec
+    from fxport.workers.engine.inputs import InputSignature
+    from fxport.workers.engine.verify.runners import Runner
+
+TENSORRT_ONNX = "onnx_tensorrt"  # int8 with a CPU target and tensorrt: the engine's own (symmetric) ONNX
+# an int8 .pt2 / FX source calls torch.ops.quantized_decomposed.*, defined by this import
+QDQ_IMPORT = "import torch.ao.quantization.fx._decomposed  # defines torch.ops.quantized_decomposed (the Q/DQ ops)"
+RUNS_PAST_RANGE = "runs (not verified): the artifact has no range of its own"
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """What every exporter may need: the graph (None on the eager path), the model itself, the
+    example and the shape extremes a trace is checked at, the spec, and the provenance to embed."""
+
+    graph: Any
+    module: Any
+    example: tuple[Any, ...]
+    sig: InputSignature
+    spec: JobSpec
+    extremes: list[tuple[Any, ...]]
+    precision: str
+    provenance: dict[str, str] = field(default_factory=dict)
+
+    def extra_files(self) -> dict[str, str]:
+        from fxport.workers.engine.exporters.interface import provenance_extra_files
+
+        return provenance_extra_files(self.provenance) if self.provenance else {}
+
+
+Writer = Callable[[ExportJob, Path], tuple[Path, str]]  # (job, path) -> (what was written, a note or '')
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    path: str  # its name in the output folder (a folder for fx_source)
+    from_graph: Writer
+    runner: Callable[[Path, InputSignature], Runner]
+    from_eager: Writer | None = None  # None: needs a captured graph
+    onnx: bool = False  # outputs named and provenance written by finish_onnx; weights may sit in PATH.data
+    past_range: Callable[[Path], str] = lambda _path: RUNS_PAST_RANGE
+
+    def files(self, path: Path) -> list[Path]:
+        """Every file the artifact at `path` is made of (a folder's files; an ONNX model's .data)."""
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        data = path.with_name(path.name + ".data")
+        if self.onnx and data.exists():
+            files.append(data)
+        return files
+
+
+# -- exporters ---------------------------------------------------------------------------------
+
+def _torchscript(job: ExportJob, path: Path) -> tuple[Path, str]:
+    if job.precision == "int8":
+        from fxport.workers.engine.exporters.torchscript_int8 import TorchScriptInt8FromQdqGraph
+
+        int8 = TorchScriptInt8FromQdqGraph(job.graph, job.example, check_inputs=job.extremes,
+                                           extra_files=job.extra_files())
+        return int8(path), int8.note
+    from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
+
+    # the original model is fp32: never a stand-in for an fp16 archive
+    exporter = TorchScriptFromGraphModule(job.graph, job.example, job.spec.torchscript.method,
+                                          check_inputs=job.extremes,
+                                          fallback=job.module if job.precision == "fp32" else None,
+                                          extra_files=job.extra_files())
+    return exporter(path), exporter.note
+
+
+def _exported_program(job: ExportJob, path: Path) -> tuple[Path, str]:
+    from fxport.workers.engine.exporters.exported_program import ExportedProgramFromGraphModule
+
+    qdq_import = QDQ_IMPORT.split("  #")[0]
+    note = f"load it after `{qdq_import}`: its Q/DQ ops live there" if job.precision == "int8" else ""
+    exporter = ExportedProgramFromGraphModule(job.graph, job.example, job.sig.dynamic_shapes(),
+                                              extra_files=job.extra_files())
+    return exporter(path), note
+
+
+def _fx_source(job: ExportJob, path: Path) -> tuple[Path, str]:
+    from fxport.workers.engine.exporters.fx_source import FxSourceFromGraphModule
+
+    imports = (QDQ_IMPORT,) if job.precision == "int8" else ()
+    return FxSourceFromGraphModule(job.graph, imports=imports)(path), ""
+
+
+def _onnx(job: ExportJob, path: Path) -> tuple[Path, str]:
+    from fxport.workers.engine.exporters.onnx import OnnxFromGraphModule
+
+    sig, spec = job.sig, job.spec
+    exporter = OnnxFromGraphModule(
+        job.graph, job.example, input_names=[i.name for i in sig.inputs], dynamic_shapes=sig.dynamic_shapes(),
+        opset=spec.onnx.opset, single_file=spec.onnx.single_file, dynamic_axes=_dynamic_axes(sig),
+        trace_checks=job.extremes, trace_fallback=job.module if job.precision == "fp32" else None,
+    )
+    return exporter(path), exporter.note
+
+
+def _torchscript_from_eager(job: ExportJob, path: Path) -> tuple[Path, str]:
+    from fxport.workers.engine.exporters.eager import TorchScriptFromEagerModule
+
+    scripted = TorchScriptFromEagerModule(job.module, job.example, check_inputs=job.extremes,
+                                          extra_files=job.extra_files())
+    return scripted(path), scripted.note
+
+
+def _onnx_from_eager(job: ExportJob, path: Path) -> tuple[Path, str]:
+    from fxport.workers.engine.exporters.eager import OnnxFromEagerModule
+
+    sig, spec = job.sig, job.spec
+    exporter = OnnxFromEagerModule(job.module, job.example, input_names=[i.name for i in sig.inputs],
+                                   opset=spec.onnx.opset, single_file=spec.onnx.single_file,
+                                   dynamic_axes=_dynamic_axes(sig))
+    return exporter(path), exporter.note
+
+
+def _dynamic_axes(sig: InputSignature) -> dict[str, dict[int, str]]:
+    return {i.name: {k: d for k, d in enumerate(i.shape) if isinstance(d, str)} for i in sig.inputs}
+
+
+# -- runners -----------------------------------------------------------------------------------
+
+def _torchscript_runner(path: Path, sig: InputSignature) -> Runner:
+    from fxport.workers.engine.verify.runners import TorchScriptRunner
+
+    return TorchScriptRunner(path)
+
+
+def _exported_program_runner(path: Path, sig: InputSignature) -> Runner:
+    from fxport.workers.engine.verify.runners import ExportedProgramRunner
+
+    return ExportedProgramRunner(path)
+
+
+def _fx_source_runner(path: Path, sig: InputSignature) -> Runner:
+    from fxport.workers.engine.exporters.fx_source import MODULE_CLASS
+    from fxport.workers.engine.verify.runners import FxSourceRunner
+
+    return FxSourceRunner(path, MODULE_CLASS)
+
+
+def _onnx_runner(name: str) -> Callable[[Path, InputSignature], Runner]:
+    def make(path: Path, sig: InputSignature) -> Runner:
+        from fxport.workers.engine.verify.runners import OnnxRuntimeRunner
+
+        runner = OnnxRuntimeRunner(path, [i.name for i in sig.inputs])
+        runner.name = name
+        return runner
+
+    return make
+
+
+# -- past the spec's ranges (tests/workers/engine/test_interface.py runs each artifact there) ----
+
+def _exported_program_past_range(path: Path) -> str:
+    return "refused: torch.export's guards check every dim against its range"
+
+
+def _fx_source_past_range(path: Path) -> str:
+    source = (path / "module.py").read_text(errors="replace") if (path / "module.py").is_file() else ""
+    if any(op in source for op in ("_assert_scalar", "sym_constrain_range", "_assert_async")):
+        return "refused: the graph kept torch.export's runtime asserts on the dims"
+    return RUNS_PAST_RANGE
+
+
+REGISTRY: dict[str, Target] = {t.name: t for t in (
+    Target("torchscript", "model.ts", _torchscript, _torchscript_runner, from_eager=_torchscript_from_eager),
+    Target("onnx", "model.onnx", _onnx, _onnx_runner("onnx"), from_eager=_onnx_from_eager, onnx=True),
+    Target("exported_program", "model.pt2", _exported_program, _exported_program_runner,
+           past_range=_exported_program_past_range),
+    Target("fx_source", "fx_source", _fx_source, _fx_source_runner, past_range=_fx_source_past_range),
+    Target(TENSORRT_ONNX, "model.tensorrt.onnx", _onnx, _onnx_runner(TENSORRT_ONNX), onnx=True),
+)}
