@@ -11,7 +11,16 @@ loopback, with the reliability settings scaled down so faults resolve in seconds
 | FXPORT_STORE_RETRY_S              | 30   | 60      | outlasts the 10 s S3 outage                      |
 | FXPORT_WORKER_SOFT_SHUTDOWN_S     | 5    | 540     | SIGTERM: a job gets 5 s to finish, then requeued |
 
-Every wait in these tests has a deadline; every process is stopped by PID.
+Every wait in these tests ends on an event (a job's state or attempt read from the job store, a
+process gone, a log line) or on a bound that follows the machine's pace, and every process is
+stopped by PID. Two kinds of bound:
+- `deadline(jobs, cold=, plus=)`: for work, in units of the reference job (`job_pace` times
+  SPEC on tiny_pt2 on this stack at the start of the session, cold and warm);
+- `scaled(s)` (tests/fixtures/servers.py): for a latency chosen on the idle build machine (a
+  signal taking effect, a cancel reaching a worker), stretched by how busy the machine is now.
+Windows that are the scenario itself (an outage's length, how long a job is held frozen) and
+bounds the stack's settings promise (REDELIVERY_BOUND_S) stay fixed; the slack for acting on
+them is scaled.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import signal
 import socket
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +42,20 @@ from typing import Any
 import pytest
 
 from tests.fixtures.servers import (
-    ApiServer, ManagedProcess, RedisServer, S3Server, distributed_env, kill_tree, process_state, start_api,
-    start_redis, start_seaweed, start_worker, wait_until,
+    ApiServer,
+    ManagedProcess,
+    RedisServer,
+    S3Server,
+    distributed_env,
+    kill_tree,
+    process_state,
+    scaled,
+    slowdown,
+    start_api,
+    start_redis,
+    start_seaweed,
+    start_worker,
+    wait_until,
 )
 
 FAULT_ENV = {
@@ -68,6 +91,11 @@ class FaultStack:
         return self.api.address
 
     def start_worker(self, name: str, env: dict[str, str] | None = None, concurrency: int = 1) -> ManagedProcess:
+        """Start worker `name`, stopping first a process of that name still running (a test cut
+        short before its worker exited must not leave it untracked)."""
+        old = self.workers.get(name)
+        if old is not None and old.alive():
+            old.stop()
         self.workers[name] = start_worker(self.base, {**self.env, **(env or {})}, "cpu", concurrency=concurrency,
                                           name=name)
         return self.workers[name]
@@ -104,6 +132,18 @@ class FaultStack:
 
         return "\n".join(f"== {p.name} ==\n{tail(p.log, 3000)}" for p in [self.api.process, *self.workers.values()])
 
+    def worker_log_marks(self) -> dict[Path, int]:
+        """Where each worker's log ends now, for `worker_log_since` (a restarted worker appends)."""
+        return {p.log: p.log.stat().st_size for p in self.workers.values() if p.log.exists()}
+
+    def worker_log_since(self, marks: dict[Path, int]) -> list[str]:
+        lines = []
+        for log in {p.log for p in self.workers.values()}:
+            with contextlib.suppress(OSError), log.open("rb") as f:
+                f.seek(marks.get(log, 0))
+                lines += f.read().decode("utf-8", "replace").splitlines()
+        return lines
+
     def stop(self) -> None:
         # All at once: a worker's cold shutdown takes a few seconds, no need to pay it per worker.
         procs = [*self.workers.values(), self.api.process]
@@ -111,7 +151,7 @@ class FaultStack:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=scaled(60))
 
 
 @pytest.fixture(scope="session")
@@ -151,22 +191,84 @@ def side_stack(fault_stack):
     stack.stop()
 
 
-@pytest.fixture(scope="session")
-def clean_run(fault_stack, tiny_pt2) -> dict[str, str]:
-    """Artifact digests of a run with no fault: what every faulted run must reproduce. Two
-    jobs at once, so both workers warm their sandboxes now; the two must agree."""
-    with fault_stack.client() as c:
-        jobs = [c.submit(tiny_pt2, SPEC, idempotency_key=f"clean-run-{i}") for i in range(2)]
+def _run_pair(stack: FaultStack, tiny_pt2: Path, key: str, timeout: float) -> tuple[list[dict[str, str]], float]:
+    """Two reference jobs at once (one per worker, as both are idle) until both succeed: their
+    artifact digests and the wall time it took."""
+    t0 = time.monotonic()
+    with stack.client() as c:
+        jobs = [c.submit(tiny_pt2, SPEC, idempotency_key=f"{key}-{i}") for i in range(2)]
         for job in jobs:
-            job.wait(timeout=120)
-            assert job.state == "SUCCEEDED", (job.error, fault_stack.logs())
+            job.wait(timeout=max(1.0, t0 + timeout - time.monotonic()))
+            assert job.state == "SUCCEEDED", (job.error, stack.logs())
+    took = time.monotonic() - t0
     digests = []
     for job in jobs:
-        rec = fault_stack.job_store().get(job.id)
+        rec = stack.job_store().get(job.id)
         assert rec.attempts == 1
         digests.append({a.name: a.sha256 for a in rec.artifacts if a.name not in VOLATILE})
+    return digests, took
+
+
+@dataclass(frozen=True)
+class JobPace:
+    """The reference job (SPEC on tiny_pt2, two at once on the stack's two workers), timed at
+    the start of the session: what a job costs on this machine as busy as it is."""
+
+    cold_s: float  # on workers that just started: each starts its sandbox zygote (imports torch) first
+    warm_s: float  # the same once the zygotes run
+    slowdown: float  # tests.fixtures.servers.slowdown() when measured
+
+
+_PACE: list[JobPace] = []  # set once, by `job_pace`
+# How many times its measured self a job may take here before a wait gives up: load that
+# comes and goes within a session (another test suite starting beside this one) stays inside
+# it, a job that hangs or never comes back does not.
+MARGIN = 4.0
+
+
+def deadline(jobs: float, *, cold: float = 0, plus: float = 0.0) -> float:
+    """Seconds to wait for `jobs` reference jobs run one after another on warm workers, after
+    `cold` worker starts (a killed worker's replacement starts its zygote with its first job),
+    plus `plus`: a bound the stack's settings give (a redelivery, a retry budget), not stretched.
+    MARGIN times the measured times, stretched again if the machine got busier since."""
+    assert _PACE, "deadline() needs the job_pace fixture (any test on fault_stack or side_stack gets it)"
+    pace = _PACE[-1]
+    stretch = max(1.0, slowdown() / pace.slowdown)
+    return plus + MARGIN * stretch * (jobs * pace.warm_s + cold * pace.cold_s)
+
+
+@pytest.fixture(scope="session")
+def _first_pair(fault_stack, tiny_pt2) -> tuple[list[dict[str, str]], float]:
+    """The stack's first two jobs, one per fresh worker: each worker starts its sandbox zygote."""
+    return _run_pair(fault_stack, tiny_pt2, "clean-run", timeout=scaled(120))
+
+
+@pytest.fixture(scope="session")
+def clean_run(_first_pair) -> dict[str, str]:
+    """Artifact digests of a run with no fault: what every faulted run must reproduce. Two
+    jobs at once, so both workers warm their sandboxes now; the two must agree."""
+    digests, _ = _first_pair
     assert digests[0] == digests[1], "two clean runs of one job differ: the conversion is not deterministic"
     return digests[0]
+
+
+@pytest.fixture(scope="session")
+def job_pace(fault_stack, tiny_pt2, _first_pair) -> JobPace:
+    """The reference job timed on the fault stack now: cold (the stack's first pair of jobs),
+    then warm (one more pair)."""
+    measured_at = slowdown()
+    digests, warm_s = _run_pair(fault_stack, tiny_pt2, f"pace-{uuid.uuid4().hex[:8]}", timeout=scaled(120))
+    assert digests[0] == digests[1] == _first_pair[0][0], "warm and cold runs of one job differ"
+    pace = JobPace(cold_s=_first_pair[1], warm_s=warm_s, slowdown=measured_at)
+    _PACE.append(pace)
+    return pace
+
+
+@pytest.fixture(autouse=True)
+def _paced(request):  # noqa: ANN001, ANN202
+    """Every test on the fault-injection stack waits by `deadline`: measure the pace first."""
+    if {"fault_stack", "side_stack"} & set(request.fixturenames):
+        request.getfixturevalue("job_pace")
 
 
 def assert_like_clean_run(stack: FaultStack, job_id: str, clean: dict[str, str]) -> None:
@@ -228,12 +330,12 @@ class QueueControl:
 
     def pause(self, *workers: str) -> None:
         replies = self.app.control.cancel_consumer("cpu", destination=[node_name(w) for w in workers],
-                                                   reply=True, timeout=5)
+                                                   reply=True, timeout=scaled(5))
         assert len(replies) == len(workers), f"pause: replies {replies}"
 
     def resume(self, *workers: str) -> None:
         replies = self.app.control.add_consumer("cpu", destination=[node_name(w) for w in workers],
-                                                reply=True, timeout=5)
+                                                reply=True, timeout=scaled(5))
         assert len(replies) == len(workers), f"resume: replies {replies}"
 
     def close(self) -> None:
@@ -301,15 +403,22 @@ def _group_members(pgid: int) -> list[int]:
     return out
 
 
-def freeze_sandbox(stack: FaultStack, job_id: str, timeout: float = 30) -> Frozen:
-    """Wait for the job's sandbox to start, then SIGSTOP its process group."""
+class SandboxMissed(AssertionError):
+    """The job ended before its sandbox was seen running: the whole sandbox fit between two polls."""
+
+
+def freeze_sandbox(stack: FaultStack, job_id: str, timeout: float | None = None) -> Frozen:
+    """Wait for the job's sandbox to start (by default for a job's time on a worker that may
+    have just started), then SIGSTOP its process group."""
     from tests.fixtures.servers import sandbox_pids
 
     jobs = stack.job_store()
 
     def found() -> int | None:
         rec = jobs.get(job_id)
-        assert rec is not None and not rec.terminal, f"job {job_id} ended before its sandbox was caught: {rec}"
+        assert rec is not None, f"no job {job_id}"
+        if rec.terminal:
+            raise SandboxMissed(f"job {job_id} ended before its sandbox was caught: {rec}")
         if rec.worker is None or rec.state.value != "RUNNING":
             return None
         try:
@@ -318,26 +427,54 @@ def freeze_sandbox(stack: FaultStack, job_id: str, timeout: float = 30) -> Froze
             return None
         return pids[0] if pids else None
 
-    pid = wait_until(found, timeout, f"the sandbox of {job_id}", every=0.02)
+    pid = wait_until(found, deadline(1, cold=1) if timeout is None else timeout, f"the sandbox of {job_id}",
+                     every=0.02)
     pgid = os.getpgid(pid)
     assert pgid == pid, "the sandbox is expected to lead its own process group (it calls setsid)"
     os.killpg(pgid, signal.SIGSTOP)
     return Frozen(job_id, pgid)
 
 
+def submit_frozen(stack: FaultStack, submit: Callable[[], Any], tries: int = 3) -> tuple[Any, Frozen]:
+    """`submit()` a job and freeze its sandbox mid-run. A tiny job's sandbox lives a second or
+    two; on a machine so busy that this process is not scheduled for that long, the job can end
+    between two polls: then another job is submitted (at most `tries` in all), since what the
+    test needs is a job held mid-run, not that one."""
+    for attempt in range(1, tries + 1):
+        job = submit()
+        try:
+            return job, freeze_sandbox(stack, job.id)
+        except SandboxMissed:
+            if attempt == tries:
+                raise
+    raise AssertionError("unreachable")
+
+
 def wait_terminal(stack: FaultStack, job_ids: list[str], timeout: float) -> dict[str, Any]:
+    """The jobs' records once all are terminal (read from the job store); `timeout`: a
+    `deadline(...)` or `scaled(...)` bound."""
     jobs = stack.job_store()
-    deadline = time.monotonic() + timeout
+    end = time.monotonic() + timeout
     pending = set(job_ids)
-    while pending and time.monotonic() < deadline:
+    while True:
         for job_id in list(pending):
             rec = jobs.get(job_id)
             if rec is not None and rec.terminal:
                 pending.discard(job_id)
+        if not pending or time.monotonic() >= end:
+            break
         time.sleep(0.2)
-    assert not pending, f"{len(pending)} job(s) not finished after {timeout} s: {sorted(pending)[:5]}\n{stack.logs()}"
+    assert not pending, (f"{len(pending)} job(s) not finished after {timeout:.1f} s (machine {slowdown():.1f}x "
+                         f"slower than idle): {sorted(pending)[:5]}\n{stack.logs()}")
     return {j: jobs.get(j) for j in job_ids}
 
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+    for pace in _PACE:
+        terminalreporter.write_line(
+            f"reliability job pace: a pair of reference jobs took {pace.cold_s:.1f} s on fresh workers, "
+            f"{pace.warm_s:.1f} s warm (machine {pace.slowdown:.1f}x slower than idle then)")

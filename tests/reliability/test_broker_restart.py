@@ -12,13 +12,19 @@ import uuid
 import pytest
 
 from fxport.client import ServerUnreachable
+from tests.fixtures.servers import scaled
 from tests.reliability.conftest import (
-    SPEC, assert_like_clean_run, attempt_history, wait_terminal, wait_until,
+    SPEC,
+    assert_like_clean_run,
+    attempt_history,
+    deadline,
+    wait_terminal,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
 
-OUTAGE_S = 3.0
+OUTAGE_S = 3.0  # the scenario: how long Redis stays down
 
 
 def test_redis_restart_with_aof_loses_no_job(fault_stack, clean_run, tiny_pt2):
@@ -26,7 +32,7 @@ def test_redis_restart_with_aof_loses_no_job(fault_stack, clean_run, tiny_pt2):
     key = f"during-outage-{uuid.uuid4().hex[:8]}"
     with fault_stack.client() as client:
         ids = [client.submit(tiny_pt2, SPEC).id for _ in range(6)]
-        wait_until(lambda: any(jobs.get(j).state.value == "RUNNING" for j in ids), 60, "a running job")
+        wait_until(lambda: any(jobs.get(j).state.value == "RUNNING" for j in ids), deadline(1), "a running job")
 
         fault_stack.redis.stop()  # SIGTERM, as a pod restart: the AOF is flushed
         down_at = time.monotonic()
@@ -53,15 +59,16 @@ def test_redis_restart_with_aof_loses_no_job(fault_stack, clean_run, tiny_pt2):
             assert all(t.is_alive() for t in threads), "the retrying calls should still be waiting"
         finally:
             fault_stack.redis.start_again()  # same port; replays the AOF
-        for t in threads:
-            t.join(timeout=40)
+        for t in threads:  # they end on Redis being back (the API reconnects, the client's retry gets through)
+            t.join(timeout=scaled(40))
+            assert not t.is_alive(), "a call retrying through the outage did not get its answer once Redis was back"
         assert answers.get("read") == ids[-1]
         submitted = answers.get("submit")
         assert isinstance(submitted, str)
         # The same key again: the same job; no second one was created by the retries.
         assert client.submit(tiny_pt2, SPEC, idempotency_key=key).id == submitted
 
-    records = wait_terminal(fault_stack, [*ids, submitted], timeout=120)
+    records = wait_terminal(fault_stack, [*ids, submitted], timeout=deadline(len(ids) + 1))
     for job_id, rec in records.items():
         assert rec.state.value == "SUCCEEDED", (job_id, rec.error, fault_stack.logs())
         history = attempt_history(fault_stack, job_id)

@@ -3,7 +3,6 @@ the same job; replayed deliveries and transitions cannot move a finished job."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import grpc
@@ -11,7 +10,15 @@ import pytest
 
 from fxport.jobs import JobState
 from fxport.workers.celery_app import RUN_JOB, MessageVisibility
-from tests.reliability.conftest import SPEC, QueueControl, assert_like_clean_run, wait_terminal, wait_until
+from tests.fixtures.servers import scaled
+from tests.reliability.conftest import (
+    SPEC,
+    QueueControl,
+    assert_like_clean_run,
+    deadline,
+    wait_terminal,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +62,7 @@ def test_retry_after_a_lost_response_gives_the_same_job(fault_stack, clean_run, 
             client._stub.SubmitJob = real
         assert created and second.id == created[0]
         assert sorted(j.id for j in client.iter_jobs(labels={"suite": label})) == sorted([first.id, second.id])
-    for rec in wait_terminal(fault_stack, [first.id, second.id], timeout=90).values():
+    for rec in wait_terminal(fault_stack, [first.id, second.id], timeout=deadline(2)).values():
         assert rec.attempts == 1
         assert_like_clean_run(fault_stack, rec.id, clean_run)
 
@@ -63,21 +70,32 @@ def test_retry_after_a_lost_response_gives_the_same_job(fault_stack, clean_run, 
 def test_replays_cannot_move_a_finished_job(fault_stack, clean_run, tiny_pt2):
     jobs = fault_stack.job_store()
     with fault_stack.client() as client:
-        job = client.submit(tiny_pt2, SPEC).wait(timeout=90)
+        job = client.submit(tiny_pt2, SPEC).wait(timeout=deadline(1))
     assert job.state == "SUCCEEDED", job.error
     before = jobs.get(job.id)
 
     # A replayed delivery (the broker handing out the message again) does nothing.
+    replays = 2
     control = QueueControl(fault_stack.broker_url)
+    logs = fault_stack.worker_log_marks()
     try:
-        for _ in range(2):
+        for _ in range(replays):
             control.app.send_task(RUN_JOB, args=[job.id], task_id=job.id)
         visibility = MessageVisibility(control.app, job.id)
         redis = visibility._client()
-        wait_until(lambda: redis.llen("cpu") == 0 and not visibility.tags(), 30, "the replays to be consumed")
-        time.sleep(0.5)
+        wait_until(lambda: redis.llen("cpu") == 0 and not visibility.tags(), scaled(30), "the replays to be consumed")
+
+        # Each replay ran to its end (Celery logs the task's return): whatever a replay would
+        # write, it has written by now.
+        def replays_done() -> bool:
+            done = [line for line in fault_stack.worker_log_since(logs)
+                    if f"fxport.run_job[{job.id}]" in line and (" succeeded in " in line or " raised " in line)]
+            return len(done) >= replays
+
+        wait_until(replays_done, scaled(30), f"the workers to log the end of {replays} replayed tasks")
     finally:
         control.close()
+    assert sum("a replayed task" in line and job.id in line for line in fault_stack.worker_log_since(logs)) == replays
 
     # Replayed or stale transitions are refused: terminal never moves, old attempts are fenced.
     for changes in ({"state": JobState.RUNNING, "new_attempt": True}, {"state": JobState.FAILED},

@@ -12,12 +12,19 @@ import pytest
 from fxport.storage import job_prefix
 from tests.fixtures.servers import free_port
 from tests.reliability.conftest import (
-    REDELIVERY_BOUND_S, SPEC, assert_like_clean_run, attempt_history, freeze_sandbox, wait_terminal, wait_until,
+    REDELIVERY_BOUND_S,
+    SPEC,
+    assert_like_clean_run,
+    attempt_history,
+    deadline,
+    submit_frozen,
+    wait_terminal,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
 
-OUTAGE_S = 10.0
+OUTAGE_S = 10.0  # the scenario: how long the store stays down (FXPORT_STORE_RETRY_S=30 outlasts it)
 
 
 def test_s3_outage_mid_job_is_ridden_out(fault_stack, clean_run, tiny_pt2, queue_control):
@@ -26,8 +33,8 @@ def test_s3_outage_mid_job_is_ridden_out(fault_stack, clean_run, tiny_pt2, queue
     jobs = fault_stack.job_store()
     with fault_stack.client() as client:
         queue_control.pause("w2")
-        up = client.submit(tiny_pt2, SPEC)  # to w1, the only worker taking jobs
-        frozen = freeze_sandbox(fault_stack, up.id)
+        # to w1, the only worker taking jobs
+        up, frozen = submit_frozen(fault_stack, lambda: client.submit(tiny_pt2, SPEC))
         queue_control.pause("w1")
         down = client.submit(tiny_pt2, SPEC)  # held in the queue: nobody takes jobs
     try:
@@ -35,13 +42,14 @@ def test_s3_outage_mid_job_is_ridden_out(fault_stack, clean_run, tiny_pt2, queue
         stopped_at = time.monotonic()
         frozen.thaw()  # `up` finishes its engine and starts uploading into the outage
         queue_control.resume("w2")  # `down` starts and tries to download
-        wait_until(lambda: jobs.get(down.id).state.value == "RUNNING", 30, "the second job to start")
+        wait_until(lambda: jobs.get(down.id).state.value == "RUNNING", deadline(1), "the second job to start")
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped_at)))
         for job_id in (up.id, down.id):
             assert not jobs.get(job_id).terminal, "a job ended while the store was down"
     finally:
         fault_stack.s3.start_again()
-    records = wait_terminal(fault_stack, [up.id, down.id], timeout=90)
+    # Both finish once the store is back and their backoff lets them retry (at most a few s).
+    records = wait_terminal(fault_stack, [up.id, down.id], timeout=deadline(2, plus=10))
     for job_id, rec in records.items():
         assert rec.state.value == "SUCCEEDED", (job_id, rec.error, fault_stack.logs())
         # Running for longer than the redelivery bound, the jobs kept their messages: one attempt.
@@ -57,7 +65,7 @@ def test_store_down_past_the_budget_fails_the_job_naming_it(side_stack, tiny_pt2
     side_stack.start_worker("deadstore", {"AWS_ENDPOINT_URL": dead, "FXPORT_STORE_RETRY_S": "3"})
     try:
         with side_stack.client() as client:
-            job = client.submit(tiny_pt2, SPEC).wait(timeout=90)
+            job = client.submit(tiny_pt2, SPEC).wait(timeout=deadline(1, cold=1, plus=3))  # + its 3 s budget
     finally:
         side_stack.stop_worker("deadstore")
     assert job.state == "FAILED", job.error

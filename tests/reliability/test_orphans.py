@@ -10,8 +10,15 @@ import pytest
 from fxport.jobs import InputRef, JobRecord, JobState, new_job_id
 from fxport.spec import parse_spec
 from fxport.storage import input_key, sha256_file
+from tests.fixtures.servers import scaled
 from tests.reliability.conftest import (
-    REDELIVERY_BOUND_S, SPEC, assert_like_clean_run, attempt_history, wait_terminal, wait_until,
+    REDELIVERY_BOUND_S,
+    SPEC,
+    assert_like_clean_run,
+    attempt_history,
+    deadline,
+    wait_terminal,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -35,12 +42,13 @@ def test_a_job_lost_with_its_worker_and_message_is_requeued_and_completes(fault_
                     message="fetching inputs", now=went_silent)
     assert jobs.lease_holder(rec.id) is None
 
+    # The rest of its silence (3 s), the next sweep (every 1 s), the requeue and a worker taking it.
     requeued = wait_until(lambda: jobs.get(rec.id).attempts == 2 or jobs.get(rec.id).terminal,
-                          ORPHAN_AFTER_S + 15, "the sweeper to requeue the orphan")
+                          3 + 1 + scaled(10), "the sweeper to requeue the orphan")
     assert requeued
     silent_for = time.time() - went_silent
     assert silent_for >= ORPHAN_AFTER_S - 1, f"swept after {silent_for:.1f} s: too early"
-    (done,) = wait_terminal(fault_stack, [rec.id], timeout=90).values()
+    (done,) = wait_terminal(fault_stack, [rec.id], timeout=deadline(1)).values()
     assert done.state is JobState.SUCCEEDED and done.attempts == 2
     history = attempt_history(fault_stack, rec.id)
     assert history[0] == (1, "gone-host:4242") and history[1][0] == 2

@@ -9,8 +9,8 @@ import pytest
 
 from fxport.jobs import STAGES
 from fxport.storage import job_prefix
-from tests.fixtures.servers import pool_children
-from tests.reliability.conftest import freeze_sandbox, wait_terminal, wait_until
+from tests.fixtures.servers import pool_children, scaled
+from tests.reliability.conftest import deadline, freeze_sandbox, wait_terminal, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -25,12 +25,12 @@ def test_soft_limit_fails_the_job_naming_its_stage(side_stack, tiny_pt2):
             job = client.submit(tiny_pt2, {"targets": ["onnx"]})
             try:
                 # Frozen, the job cannot finish before its limit (a warm-up may even outlast it).
-                frozen = freeze_sandbox(side_stack, job.id, timeout=60)
+                frozen = freeze_sandbox(side_stack, job.id)
             except AssertionError:
                 frozen = None  # it hit the limit before its sandbox was caught: fine too
-            (rec,) = wait_terminal(side_stack, [job.id], timeout=60).values()
+            (rec,) = wait_terminal(side_stack, [job.id], timeout=deadline(1, cold=1, plus=SOFT_S)).values()
             if frozen is not None:
-                wait_until(lambda: not frozen.alive(), 10, "the sandbox to be stopped")
+                wait_until(lambda: not frozen.alive(), scaled(10), "the sandbox to be stopped")
             # The soft limit is an exception in the task, not a kill: the pool process lives on.
             assert side_stack.job_store().lease_holder(job.id) is None
             worker = side_stack.workers["softlimit"]

@@ -14,9 +14,18 @@ from pathlib import Path
 import pytest
 
 from fxport.workers.celery_app import MessageVisibility
+from tests.fixtures.servers import scaled
 from tests.reliability.conftest import (
-    REDELIVERY_BOUND_S, SPEC, assert_like_clean_run, attempt_history, freeze_sandbox, pool_pid,
-    wait_terminal, wait_until, worker_running,
+    REDELIVERY_BOUND_S,
+    SPEC,
+    assert_like_clean_run,
+    attempt_history,
+    deadline,
+    pool_pid,
+    submit_frozen,
+    wait_terminal,
+    wait_until,
+    worker_running,
 )
 
 pytestmark = pytest.mark.slow
@@ -46,7 +55,7 @@ def test_thirty_jobs_survive_five_random_worker_kills(fault_stack, clean_run, ti
                      and not hits[rec.id] and Path(f"/proc/{pool_pid(rec)}").exists()]
             return rng.choice(found) if found else None
 
-        rec = wait_until(running_job, 60, "a running job to kill", every=0.05)
+        rec = wait_until(running_job, deadline(1, cold=1), "a running job to kill", every=0.05)
         if kind == "pool child":
             os.kill(pool_pid(rec), signal.SIGKILL)
         else:
@@ -54,9 +63,11 @@ def test_thirty_jobs_survive_five_random_worker_kills(fault_stack, clean_run, ti
             fault_stack.kill_worker(name)
             fault_stack.start_worker(name)
         hits[rec.id] += 1
-        time.sleep(rng.uniform(0.2, 1.5))
+        time.sleep(rng.uniform(0.2, 1.5))  # the scenario: kills at random moments, not a wait
 
-    records = wait_terminal(fault_stack, ids, timeout=150)
+    # Two workers through the jobs and their reruns, two of them restarted cold, two jobs
+    # waiting out the redelivery bound.
+    records = wait_terminal(fault_stack, ids, timeout=deadline(JOBS / 2 + KILLS, cold=2, plus=2 * REDELIVERY_BOUND_S))
     assert [r.state.value for r in records.values()] == ["SUCCEEDED"] * JOBS, fault_stack.logs()
     # No duplicate jobs: exactly the submitted ones carry the label.
     with fault_stack.client() as client:
@@ -78,20 +89,23 @@ def test_a_job_running_past_the_visibility_timeout_is_not_started_twice(fault_st
     """Kombu redelivers a message un-acked longer than visibility_timeout_s; a live worker
     keeps its job's message fresh, so the idle worker never gets a copy."""
     with fault_stack.client() as client:
-        job = client.submit(tiny_pt2, SPEC)
-    frozen = freeze_sandbox(fault_stack, job.id)
+        job, frozen = submit_frozen(fault_stack, lambda: client.submit(tiny_pt2, SPEC))
     try:
         visibility = MessageVisibility(queue_control.app, job.id)
-        held_for = REDELIVERY_BOUND_S + 3  # a copy would have been handed out after REDELIVERY_BOUND_S
-        deadline = time.monotonic() + held_for
-        while time.monotonic() < deadline:
+        # Nothing may happen for this long, and that is long enough to show it: a copy of the
+        # message would be handed out REDELIVERY_BOUND_S after the job started (the stack's
+        # visibility timeout plus its restore interval), and the idle worker would start it (a
+        # second attempt in the record) within its pickup time, well under scaled(3).
+        held_for = REDELIVERY_BOUND_S + scaled(3)
+        held_until = time.monotonic() + held_for
+        while time.monotonic() < held_until:
             rec = fault_stack.job_store().get(job.id)
             assert rec.attempts == 1 and rec.state.value == "RUNNING", rec
             assert visibility.tags(), "the running job's message left the unacked set"
             time.sleep(0.5)
     finally:
         frozen.thaw()
-    (rec,) = wait_terminal(fault_stack, [job.id], timeout=60).values()
+    (rec,) = wait_terminal(fault_stack, [job.id], timeout=deadline(1)).values()
     assert rec.attempts == 1 and len(attempt_history(fault_stack, job.id)) == 1
     assert_like_clean_run(fault_stack, job.id, clean_run)
     assert visibility.tags() == []  # acknowledged
@@ -121,25 +135,25 @@ def test_a_killed_workers_job_is_back_within_the_redelivery_bound(fault_stack, c
     import redis
 
     with fault_stack.client() as client:
-        job = client.submit(tiny_pt2, SPEC)
-    frozen = freeze_sandbox(fault_stack, job.id)
+        job, frozen = submit_frozen(fault_stack, lambda: client.submit(tiny_pt2, SPEC))
     rec = fault_stack.job_store().get(job.id)
     name = worker_running(fault_stack, rec)
     fault_stack.kill_worker(name)
     if died_in_its_sweep:  # the lock as the killed worker would have left it (redis-py's Lock: SET NX PX)
         expiry_ms = int(restore_lock_expiry_s(fault_stack) * 1000)
         with redis.Redis.from_url(fault_stack.broker_url) as broker:  # NX: the surviving worker may hold it a moment
-            wait_until(lambda: broker.set("unacked_mutex", "the-killed-workers-token", nx=True, px=expiry_ms), 5,
-                       "the restore lock to be free", every=0.01)
+            wait_until(lambda: broker.set("unacked_mutex", "the-killed-workers-token", nx=True, px=expiry_ms),
+                       scaled(5), "the restore lock to be free", every=0.01)
     frozen.kill()  # it was below the killed worker
     killed_at = time.monotonic()
     try:
-        wait_until(lambda: fault_stack.job_store().get(job.id).attempts == 2, REDELIVERY_BOUND_S + 5,
+        wait_until(lambda: fault_stack.job_store().get(job.id).attempts == 2, REDELIVERY_BOUND_S + scaled(5),
                    "the redelivered attempt to start", every=0.05)
         took = time.monotonic() - killed_at
     finally:
         fault_stack.start_worker(name)
-    assert took <= REDELIVERY_BOUND_S + 3, f"redelivered after {took:.1f} s"
-    wait_terminal(fault_stack, [job.id], timeout=60)
+    # The bound, plus the surviving worker's pickup (well under 3 s on an idle machine).
+    assert took <= REDELIVERY_BOUND_S + scaled(3), f"redelivered after {took:.1f} s"
+    wait_terminal(fault_stack, [job.id], timeout=deadline(2, cold=1))
     assert [a for a, _ in attempt_history(fault_stack, job.id)] == [1, 2]
     assert_like_clean_run(fault_stack, job.id, clean_run)

@@ -21,7 +21,13 @@ from fxport.config import Settings
 from fxport.errors import EXIT_UNREACHABLE, EXIT_USAGE
 from fxport.jobs import InputRef, JobRecord, new_job_id, open_job_store
 from fxport.service.auth import (
-    InsecureListen, TokensFileError, hash_token, is_loopback, new_token, parse_tokens, token_entry,
+    InsecureListen,
+    TokensFileError,
+    hash_token,
+    is_loopback,
+    new_token,
+    parse_tokens,
+    token_entry,
 )
 from fxport.service.server import create_server
 from fxport.v1 import conversion_pb2 as pb

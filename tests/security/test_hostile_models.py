@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from tests.security.hostile import (
-    PACKAGE_SPEC, env_payload, fork_payload, hostile_package, payload, redis_payload, tampered_pt2, write_payload,
+    PACKAGE_SPEC,
+    env_payload,
+    fork_payload,
+    hostile_package,
+    payload,
+    redis_payload,
+    tampered_pt2,
+    write_payload,
 )
 
 pytestmark = pytest.mark.slow

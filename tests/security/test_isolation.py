@@ -14,7 +14,6 @@ import json
 import shutil
 import socket
 import textwrap
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,7 +24,13 @@ import pytest
 from fxport.client import Client
 from fxport.service.auth import new_token, token_entry
 from tests.fixtures.servers import (
-    ManagedProcess, distributed_env, pool_children, start_api, start_worker, wait_until,
+    ManagedProcess,
+    distributed_env,
+    pool_children,
+    scaled,
+    start_api,
+    start_worker,
+    wait_until,
 )
 from tests.security.hostile import PACKAGE_SPEC, hostile_package, payload
 
@@ -178,15 +183,17 @@ def test_reads_stop_at_the_job_of_its_own(iso: IsolationStack, tmp_path: Path):
     iso.processes.append(second)
     work = Path(iso.env["FXPORT_WORK_DIR"])
     try:
-        waiting = hostile_package(iso.base, f"bob_waits_{uuid.uuid4().hex[:6]}", """
+        # Bob's job waits until the test lets it go (a file in its own folder): for as long as
+        # alice's probe job may take on this machine now, and no longer.
+        waiting = hostile_package(iso.base, f"bob_waits_{uuid.uuid4().hex[:6]}", f"""
             import time
-            for _ in range(600):  # until the test lets it go (a file in its own folder), at most 60 s
+            for _ in range({int(scaled(60) * 10)}):
                 if os.path.exists("release"):
                     break
                 time.sleep(0.1)
         """)
         bob = iso.submit("bob", waiting)
-        bob_dir = wait_until(lambda: next(work.glob(f"fxport-job-{bob.id}-*/fxport-sandbox-*"), None), 120,
+        bob_dir = wait_until(lambda: next(work.glob(f"fxport-job-{bob.id}-*/fxport-sandbox-*"), None), scaled(120),
                              "bob's job to start")
         bob_input = next(bob_dir.parent.glob("input/*"))
         shadow = Path("/etc/shadow")

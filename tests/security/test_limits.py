@@ -20,6 +20,7 @@ from fxport.service.server import create_server
 from fxport.spec import parse_spec
 from fxport.storage import FileStore, input_key
 from fxport.workers.jobs import WorkerContext, clamp_limits, execute_job
+from tests.fixtures.servers import scaled
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,8 @@ def test_concurrent_submits_cannot_overshoot(queue_only_server):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(scaled(60))
+        assert not t.is_alive(), "a submit got no answer"
     assert sorted(outcomes) == ["ok", "ok", "refused", "refused", "refused"]
     # On the wire: RESOURCE_EXHAUSTED, refused from the header before the bytes are stored.
     from fxport.v1 import conversion_pb2 as pb

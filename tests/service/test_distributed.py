@@ -15,6 +15,7 @@ import pytest
 
 from fxport.client import Client, IntegrityError, JobNotFound, RequestRefused
 from fxport.storage import job_prefix
+from tests.fixtures.servers import scaled, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -99,12 +100,8 @@ def test_cancel_running_job_removes_partial_artifacts(distributed_stack, client,
 
     # The worker notices, stops the sandbox and cleans up; the job never becomes SUCCEEDED.
     store = distributed_stack.artifact_store()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        time.sleep(1)
-        if not store.list_prefix(job_prefix("default", job.id)):
-            break
-    assert store.list_prefix(job_prefix("default", job.id)) == []
+    wait_until(lambda: store.list_prefix(job_prefix("default", job.id)) == [], scaled(30),
+               "the cancelled job's partial artifacts to be deleted", every=0.5)
     assert client.get(job.id).state == "CANCELLED"
 
     # The worker is free again: a next job runs to the end.

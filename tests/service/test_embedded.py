@@ -88,10 +88,8 @@ def test_cli_exit_codes(embedded_server, tiny_pt2, tmp_path):
 
 
 def test_cancel_running_job_stops_its_sandbox(embedded_server, resnet18_pt2):
-    import time
-
     from fxport.client import Client
-    from tests.fixtures.servers import sandbox_pids
+    from tests.fixtures.servers import sandbox_pids, scaled, wait_until
 
     with Client(embedded_server.address) as client:
         job = client.submit(resnet18_pt2, {"targets": ["torchscript", "onnx", "exported_program", "fx_source"]})
@@ -99,11 +97,20 @@ def test_cancel_running_job_stops_its_sandbox(embedded_server, resnet18_pt2):
             if ev.state == "RUNNING" and ev.stage in ("capture", "passes", "export"):
                 break
         assert sandbox_pids(embedded_server.process.pid, job.id), "no sandbox running the job"
+        log = embedded_server.process.log
+        log_offset = log.stat().st_size
         assert job.cancel().state == "CANCELLED"
-        deadline = time.monotonic() + 10
-        while sandbox_pids(embedded_server.process.pid, job.id) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert sandbox_pids(embedded_server.process.pid, job.id) == []
-        time.sleep(1)  # a late upload or SUCCEEDED from the interrupted run would show by now
+        wait_until(lambda: not sandbox_pids(embedded_server.process.pid, job.id), scaled(10),
+                   "the cancelled job's sandbox to be stopped", every=0.2)
+
+        # The interrupted run's last word, once it has removed what it uploaded: no late upload
+        # or SUCCEEDED can follow it.
+        def run_ended() -> bool:
+            with log.open("rb") as f:
+                f.seek(log_offset)
+                return any(job.id in line and "job cancelled" in line
+                           for line in f.read().decode("utf-8", "replace").splitlines())
+
+        wait_until(run_ended, scaled(30), "the interrupted run to log its end")
         assert client.get(job.id).state == "CANCELLED"
         assert not (embedded_server.home / "store" / "objects" / "default" / "jobs" / job.id).exists()

@@ -22,7 +22,7 @@ from fxport.service.auth import new_token, token_entry
 from fxport.service.server import create_server
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
-from tests.fixtures.servers import wait_until
+from tests.fixtures.servers import scaled, wait_until
 
 SERVICES = {"fxport.v1.ConversionService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
             "grpc.reflection.v1alpha.ServerReflection"}
@@ -124,7 +124,7 @@ def test_every_rpc_is_counted_by_method_and_code_and_timed(server):
     watch.cancel()
     canceled = rpc("handled_total", "server_stream", health, "Watch", "Canceled")
     after = wait_until(lambda: (m := scrape(srv.metrics_port)).get(canceled, 0) > before.get(canceled, 0) and m,
-                       10, "the cancelled Health/Watch to be counted")
+                       scaled(10), "the cancelled Health/Watch to be counted")
 
     expected = [
         ("unary", health, "Check", "OK"),

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.servers import distributed_env, free_ports, start_api, start_worker
+from tests.fixtures.servers import distributed_env, free_ports, scaled, start_api, start_worker, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +26,10 @@ def scrape(port: int) -> dict[str, float]:
 def test_counters_move_during_a_real_job(tmp_path: Path, redis_server, s3_server, tiny_pt2: Path) -> None:
     from fxport.client import Client
 
+    def moved(before: dict[str, float], after: dict[str, float], name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    submit = 'grpc_method="SubmitJob",grpc_service="fxport.v1.ConversionService",grpc_type="client_stream"'
     api_port, worker_port = free_ports(2)
     env = distributed_env(redis_server, s3_server, tmp_path, prefix="metrics")
     # a Redis database of its own: the session's other workers must not take this job
@@ -39,17 +42,21 @@ def test_counters_move_during_a_real_job(tmp_path: Path, redis_server, s3_server
             job = client.submit(tiny_pt2, {"targets": ["onnx"]})
             job.wait(timeout=180)
             assert job.state == "SUCCEEDED", job.error
-        time.sleep(0.5)
-        api_after, worker_after = scrape(api_port), scrape(worker_port)
+
+        # The last counters the job moves: the worker's, once its task has returned, and the
+        # API's for the SubmitJob call; the rest moved before them.
+        def counted() -> tuple[dict[str, float], dict[str, float]] | None:
+            api_now, worker_now = scrape(api_port), scrape(worker_port)
+            done = (moved(worker_before, worker_now, 'fxport_job_duration_seconds_count{state="succeeded"}') >= 1
+                    and moved(api_before, api_now, f'grpc_server_handled_total{{grpc_code="OK",{submit}}}') >= 1)
+            return (api_now, worker_now) if done else None
+
+        api_after, worker_after = wait_until(counted, scaled(10), "the job to be counted by the API and the worker")
     finally:
         worker.stop()
         api.stop()
 
-    def moved(before: dict[str, float], after: dict[str, float], name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
     assert moved(api_before, api_after, 'fxport_jobs_total{state="queued"}') == 1
-    submit = 'grpc_method="SubmitJob",grpc_service="fxport.v1.ConversionService",grpc_type="client_stream"'
     assert moved(api_before, api_after, f'grpc_server_handled_total{{grpc_code="OK",{submit}}}') == 1
     assert moved(api_before, api_after, f'grpc_server_handling_seconds_count{{{submit}}}') == 1
     for after in (api_after, worker_after):  # each pod says what it runs

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxport.spec import ProfileNodesOptions
 from fxport.workers.engine.passes import PassContext
 from fxport.workers.engine.passes.profile_nodes import profile_nodes
-from fxport.spec import ProfileNodesOptions
 from tests.workers.passes.conftest import assert_close, capture, context
 
 
