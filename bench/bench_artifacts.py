@@ -34,6 +34,7 @@ def main() -> None:
 
     from fxport.benchmark import rate, table
     from fxport.spec import parse_spec
+    from fxport.workers.engine.request import EngineRequest
     from fxport.workers.sandbox import run_engine_job
     from tests.models import get
     from tests.workers.engine.conftest import save_pt2
@@ -47,11 +48,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         model = save_pt2(get("resnet18"), d / "resnet18.pt2")
-        run_engine_job(model, plain, d / "warm-up", job_id="warm-up")  # starts the zygote: not counted
+        run_engine_job(EngineRequest(model_path=model, spec=plain, out_dir=d / "warm-up",
+                                     job_id="warm-up"))  # starts the zygote: not counted
         for i in range(args.rounds):
             for label, spec in (("without", plain), ("with", benched)):
                 t = time.perf_counter()
-                m = run_engine_job(model, spec, d / f"{label}-{i}", job_id=f"{label}-{i}", timeout_s=1800)
+                m = run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=d / f"{label}-{i}",
+                                                 job_id=f"{label}-{i}", timeout_s=1800))
                 walls[label].append(time.perf_counter() - t)
                 print(f"round {i}: {label} benchmark {walls[label][-1]:.1f} s", flush=True)
                 if label == "with":

@@ -242,10 +242,11 @@ def engine_in_process(model: Path, out: Path) -> tuple[float, dict[str, float]]:
 
 def engine_sandboxed(model: Path, out: Path, job_id: str) -> float:
     from fxport.spec import parse_spec
+    from fxport.workers.engine.request import EngineRequest
     from fxport.workers.sandbox import run_engine_job
 
     t0 = time.perf_counter()
-    run_engine_job(model, parse_spec(SPEC), out, job_id=job_id)
+    run_engine_job(EngineRequest(model_path=model, spec=parse_spec(SPEC), out_dir=out, job_id=job_id))
     dt = time.perf_counter() - t0
     discard(out)
     return dt
@@ -468,6 +469,7 @@ def tiny_engine_costs(model: Path, work: Path, n: int = 5) -> dict[str, float]:
     """One tiny job in this process and in its sandbox: the floor under a worker's time per job."""
     from fxport.spec import parse_spec
     from fxport.workers.engine.pipeline import convert
+    from fxport.workers.engine.request import EngineRequest
     from fxport.workers.sandbox import run_engine_job
 
     spec = parse_spec(TINY_SPEC)
@@ -476,7 +478,8 @@ def tiny_engine_costs(model: Path, work: Path, n: int = 5) -> dict[str, float]:
         t0 = time.perf_counter()
         m = convert(model, spec, work / f"tiny-in-{i}", job_id="tiny")
         t1 = time.perf_counter()
-        run_engine_job(model, spec, work / f"tiny-box-{i}", job_id=f"tiny{i}")
+        run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=work / f"tiny-box-{i}",
+                                     job_id=f"tiny{i}"))
         t2 = time.perf_counter()
         if i:
             inproc.append(t1 - t0)

@@ -61,6 +61,7 @@ def malloc_settings_side_by_side(work: Path) -> list[str]:
 
     from bench.bench_cache import save_variant
     from fxport.workers.engine.pipeline import convert
+    from fxport.workers.engine.request import EngineRequest
     from fxport.workers.sandbox import launch as sandbox
     from fxport.workers.sandbox import run_engine_job
 
@@ -79,8 +80,9 @@ def malloc_settings_side_by_side(work: Path) -> list[str]:
             for label, zygote in zygotes.items():
                 sandbox._warm = zygote
                 u0, s0, f0 = children_usage(zygote._proc.pid)
-                t = timed(lambda: run_engine_job(model, spec, work / f"r-{label[:4]}-{i}-{id(zygote)}",
-                                                         job_id=f"r{i}"))
+                t = timed(lambda: run_engine_job(EngineRequest(model_path=model, spec=spec,
+                                                               out_dir=work / f"r-{label[:4]}-{i}-{id(zygote)}",
+                                                               job_id=f"r{i}")))
                 u1, s1, f1 = children_usage(zygote._proc.pid)
                 if i:
                     rows[label].append((t, s1 - s0, f1 - f0))
@@ -121,6 +123,7 @@ def own_cpu(pid: int) -> float:
 
 def main() -> None:
     from fxport.workers.engine.pipeline import convert
+    from fxport.workers.engine.request import EngineRequest
     from fxport.workers.sandbox import launch as sandbox
     from fxport.workers.sandbox import run_engine_job
 
@@ -141,7 +144,8 @@ def main() -> None:
             os.environ["FXPORT_SANDBOX_MODE"] = "warm"
             for label, zygote in zygotes.items():  # each zygote's first fork: not counted
                 sandbox._warm = zygote
-                run_engine_job(model, spec, d / f"w0-{label[-5:]}", job_id="warmup")
+                run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=d / f"w0-{label[-5:]}",
+                                             job_id="warmup"))
             for i in range(RUNS):  # interleaved, so load on the machine hits every mode alike
                 results["in-process engine (no sandbox)"].append(timed(lambda: convert(model, spec, d / f"e{i}")))
                 os.environ["FXPORT_SANDBOX_MODE"] = "warm"
@@ -151,14 +155,15 @@ def main() -> None:
                     u0, s0, _ = children_usage(pid)
                     z0 = own_cpu(pid)
                     manifest: list[dict] = []
-                    results[label].append(timed(lambda: manifest.append(run_engine_job(
-                        model, spec, d / f"w{i}-{pid}", job_id=f"w{i}"))))
+                    request = EngineRequest(model_path=model, spec=spec, out_dir=d / f"w{i}-{pid}", job_id=f"w{i}")
+                    results[label].append(timed(lambda: manifest.append(run_engine_job(request))))
                     setup_ms[label].append(manifest[0]["sandbox"]["setup_ms"])
                     u1, s1, _ = children_usage(pid)
                     cpu[label].append((u1 - u0 + s1 - s0, own_cpu(pid) - z0))
                 os.environ["FXPORT_SANDBOX_MODE"] = "cold"
                 results["cold sandbox (new interpreter)"].append(
-                    timed(lambda: run_engine_job(model, spec, d / f"c{i}", job_id=f"c{i}")))
+                    timed(lambda: run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=d / f"c{i}",
+                                                               job_id=f"c{i}"))))
         finally:
             for zygote in zygotes.values():
                 zygote.close()

@@ -67,13 +67,14 @@ def time_in_process(model: Path, work: Path, repeats: int) -> list[float]:
 
 def time_sandboxed(model: Path, work: Path, repeats: int) -> list[float]:
     from fxport.spec import parse_spec
+    from fxport.workers.engine.request import EngineRequest
     from fxport.workers.sandbox import run_engine_job
 
     spec = parse_spec(SPEC)
     times = []
     for i in range(repeats + 1):  # the first run starts the warm sandbox (imports torch): not counted
         t0 = time.perf_counter()
-        run_engine_job(model, spec, work / f"sandbox-{i}", job_id=f"bench{i}")
+        run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=work / f"sandbox-{i}", job_id=f"bench{i}"))
         if i:
             times.append(time.perf_counter() - t0)
     return times

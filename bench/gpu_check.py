@@ -244,14 +244,15 @@ def main(argv: list[str]) -> int:
             new processes; Landlock: its own files plus the GPU's devices). The builds above run
             in this process; this says whether CUDA and TensorRT work behind those layers, and
             if not, the error names what was refused."""
+            from fxport.workers.engine.request import EngineRequest
             from fxport.workers.sandbox import run_engine_job
 
             onnx_path = tmp / "cpu-fp32" / "model.onnx"
             trt_spec = spec_dict(case, targets=("tensorrt",), batch=BATCH, precision="fp32", verify={"samples": 2})
             trt_spec.pop("passes", None)
             t0 = time.perf_counter()
-            manifest = run_engine_job(onnx_path, parse_spec(trt_spec), tmp / "trt-fp32-sandboxed",
-                                      job_id="gpu-check", warm=False)
+            manifest = run_engine_job(EngineRequest(model_path=onnx_path, spec=parse_spec(trt_spec),
+                                                    out_dir=tmp / "trt-fp32-sandboxed", job_id="gpu-check"), warm=False)
             [record] = [v for v in manifest["verification"] if v["format"] == "tensorrt"]
             return {"wall_s": round(time.perf_counter() - t0, 2), "passed": record.get("passed"),
                     "build_s": manifest["tensorrt"]["build"]["build_s"], "sandbox": manifest["sandbox"]}

@@ -25,8 +25,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fxport.client import DEFAULT_SERVER, Client, Job, JobEvent
+from fxport.client import DEFAULT_SERVER, Client, Job
 from fxport.client.errors import error_doc, job_exit_code, print_error
+from fxport.client.progress import StageProgress
 from fxport.client.spec_options import NO_FLAGS, SpecFlags, parse_labels, with_spec_flags
 from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, FxportError, InvalidInput
 from fxport.spec import parse_spec
@@ -71,54 +72,6 @@ def _run(command: str, fn: Callable[[], int], as_json: bool) -> None:
             _emit_json(error_doc(command, exc))
         raise typer.Exit(exc.exit_code or EXIT_FAILED) from None
     raise typer.Exit(code)
-
-
-class _Progress:
-    """Follow a job's events on stderr: a rich bar per stage on a terminal, plain lines otherwise."""
-
-    def __init__(self) -> None:
-        self._bar: Any = None
-        self._tasks: dict[str, Any] = {}
-        self._last: tuple[str, str, str] | None = None
-        if _err.is_terminal:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._bar = Progress(TextColumn("{task.description:<9}"), BarColumn(), TextColumn("{task.fields[msg]}"),
-                                 TimeElapsedColumn(), console=_err)
-
-    def __enter__(self) -> _Progress:
-        if self._bar is not None:
-            self._bar.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def __call__(self, ev: JobEvent) -> None:
-        if self._bar is not None and ev.state == "RUNNING" and ev.stage:
-            for stage, task in self._tasks.items():  # a new stage means the earlier ones are done
-                if stage != ev.stage:
-                    self._bar.update(task, completed=1.0)
-            if ev.stage not in self._tasks:
-                self._tasks[ev.stage] = self._bar.add_task(ev.stage, total=1.0, msg="")
-            self._bar.update(self._tasks[ev.stage], completed=ev.progress, msg=ev.message)
-            return
-        if self._bar is not None and ev.state != "RUNNING":
-            if ev.terminal and ev.state == "SUCCEEDED":
-                for task in self._tasks.values():
-                    self._bar.update(task, completed=1.0)
-            _err.print(f"{ev.state.lower()}: {ev.message}", markup=False)
-            return
-        # Plain lines (CI logs): one per stage start and per message worth reading, worded as
-        # `fxport convert` words them (convert_command.StageProgress): `[export] started`.
-        stage = ev.stage or ev.state.lower()
-        key = (ev.state, stage, ev.message)
-        if key == self._last or (ev.message in ("", "done") and self._last and self._last[1] == stage):
-            return
-        self._last = key
-        text = ev.message or ("started" if ev.state == "RUNNING" else ev.state.lower())
-        _err.print(f"[{stage}] {text}", markup=False, highlight=False)
 
 
 def _job_summary(job: Job, out: Path | None, console: Console) -> None:
@@ -229,8 +182,8 @@ def submit(
                 else:
                     print(job.id)
                 return EXIT_OK
-            with _Progress() as progress:  # with --out, artifacts stored early come down meanwhile
-                job.wait(timeout=timeout, on_event=progress, download_to=out)
+            with StageProgress(_err) as progress:  # with --out, artifacts stored early come down meanwhile
+                job.wait(timeout=timeout, on_event=progress.on_job_event, download_to=out)
             return _finish(job, out=out, as_json=as_json)
 
     _run("submit", body, as_json)
@@ -312,8 +265,8 @@ def jobs_watch(
     def body() -> int:
         with Client(server, token=token) as client:
             job = client.get(job_id)
-            with _Progress() as progress:
-                job.wait(timeout=timeout, on_event=progress)
+            with StageProgress(_err) as progress:
+                job.wait(timeout=timeout, on_event=progress.on_job_event)
             return _finish(job, out=None, as_json=as_json)
 
     _run("jobs watch", body, as_json)

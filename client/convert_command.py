@@ -31,46 +31,12 @@ import typer
 from rich.console import Console
 
 from fxport.client.errors import CannotRunHere, error_doc, print_error
+from fxport.client.progress import StageProgress
 from fxport.client.spec_options import NO_FLAGS, SpecFlags, with_spec_flags
 from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConversionFailed, FxportError, InvalidInput
 from fxport.spec import JobSpec, parse_spec
 
 STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark")
-
-
-class StageProgress:
-    """A rich progress bar per stage on a terminal; plain lines otherwise."""
-
-    def __init__(self, console: Console, enabled: bool) -> None:
-        self.console, self.enabled = console, enabled
-        self.progress = None
-        self.tasks: dict[str, Any] = {}
-        if enabled and console.is_terminal:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.progress = Progress(TextColumn("{task.description:<8}"), BarColumn(), TextColumn("{task.fields[msg]}"),
-                                     TimeElapsedColumn(), console=console, transient=False)
-
-    def __enter__(self) -> StageProgress:
-        if self.progress:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.progress:
-            self.progress.stop()
-
-    def __call__(self, event: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        stage, frac, msg = event.get("stage", "?"), float(event.get("progress", 0)), event.get("message", "")
-        if self.progress is None:
-            if frac == 0.0 or msg not in ("", "done"):
-                self.console.print(f"[{stage}] {msg or 'started'}", highlight=False, markup=False)
-            return
-        if stage not in self.tasks:
-            self.tasks[stage] = self.progress.add_task(stage, total=1.0, msg="")
-        self.progress.update(self.tasks[stage], completed=frac, msg=msg)
 
 
 @with_spec_flags
@@ -95,25 +61,25 @@ def convert_command(
 
     # No TensorRT or no GPU here: the CPU stage's part of a tensorrt job, then a clear error.
     no_engine = _engine_unavailable(job_spec)
-    deferred = ("tensorrt",) if no_engine is not None else ()
+    from fxport.workers.engine.request import EngineRequest
+
+    request = EngineRequest(model_path=model, spec=job_spec, out_dir=out, job_id=f"local-{uuid.uuid4().hex[:12]}",
+                            calibration_path=calibration, deferred_targets=("tensorrt",) if no_engine else ())
     manifest: dict[str, Any] | None = None
     try:
         # Progress goes to stderr with --json too, as `submit --wait --json` prints it.
         with StageProgress(err, enabled=True) as progress:
             if no_sandbox:
-                from fxport.workers.engine.pipeline import convert
+                from fxport.workers.engine.pipeline import convert_request
 
                 err.print("[yellow]warning:[/] --no-sandbox: the model is loaded and run in this process, with your "
                           "rights (its pickles can run any code); use it only for a model you trust", highlight=False)
-                manifest = convert(model, job_spec, out, calibration_path=calibration, on_progress=progress,
-                                   deferred_targets=deferred)
+                manifest = convert_request(request, on_progress=progress)
             else:
                 from fxport.workers.sandbox import run_engine_job
 
                 # A fresh interpreter, not a warm zygote: one job pays one `import torch` either way.
-                manifest = run_engine_job(model, job_spec, out, job_id=f"local-{uuid.uuid4().hex[:12]}",
-                                          calibration_path=calibration, on_progress=progress, warm=False,
-                                          deferred_targets=deferred)
+                manifest = run_engine_job(request, on_progress=progress, warm=False)
     except FxportError as exc:
         if no_engine is not None and exc.stage == "tensorrt":  # the CPU stage's only tensorrt step: the preflight
             exc = _preflight_rejected(out, exc, no_engine)

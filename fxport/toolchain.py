@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import json
 import logging
+import platform
 import shutil
 import subprocess
 import threading
@@ -43,9 +45,13 @@ Toolchain = dict[str, Any]
 def _version(module: str) -> str | None:
     """Version of the distribution that provides import name `module` (e.g. onnxruntime may
     come from `onnxruntime-gpu`, tensorrt from `tensorrt-cu13`), or None if not installed."""
-    names = [module]
-    names.extend(d for d in _distributions().get(module, ()) if d != module)
-    for name in names:
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if importlib.util.find_spec(module) is None:  # not installed: no scan of every distribution
+        return None
+    for name in _distributions().get(module, ()):
         try:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -85,6 +91,13 @@ def _local_toolchain(gpu: bool) -> tuple[tuple[str, Any], ...]:
 def local_toolchain(*, gpu: bool = False) -> Toolchain:
     """This machine's versions (read once per process); with `gpu`, also TensorRT's and the GPU model."""
     return dict(_local_toolchain(gpu))
+
+
+def manifest_toolchain() -> Toolchain:
+    """What a manifest records under `toolchain`: every package of the conversion stack (None where
+    it is not installed) and Python's version. Read as the cache key reads them, so the two agree."""
+    return {**dict(_local_toolchain(False)), **{name: _version(name) for name in GPU_PACKAGES},
+            "python": platform.python_version()}
 
 
 def job_fingerprint(cpu: Toolchain | None, gpu: Toolchain | None, *, engine: bool) -> Toolchain | None:

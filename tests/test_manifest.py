@@ -93,3 +93,19 @@ def test_a_multi_input_models_shapes_load_as_written() -> None:
     manifest = Manifest.model_validate(raw)
     assert manifest.verification[0].shapes_checked == [[[2, 7], [2, 7]], [[1, 2], [1, 2]]]
     assert manifest.to_dict() == raw
+
+
+def test_the_engine_writes_the_current_schema_through_the_type(tmp_path: Path, tiny_pt2: Path) -> None:
+    """The engine builds manifest.json as a Manifest: the current schema_version, every section a
+    reader indexes present (also when empty), and a read-and-write-back that changes nothing."""
+    from fxport.spec import parse_spec
+    from fxport.workers.engine.pipeline import convert
+
+    returned = convert(tiny_pt2, parse_spec({"targets": ["onnx"], "verify": {"samples": 1}}), tmp_path / "out",
+                       report=False)
+    written = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert written == returned and written["schema_version"] == SCHEMA_VERSION
+    for key in ("passes", "artifacts", "verification", "warnings", "timings_s", "error", "capture", "toolchain"):
+        assert key in written, key
+    assert written["toolchain"]["tensorrt"] is None and written["toolchain"]["python"]  # one reading of versions
+    assert Manifest.read(tmp_path / "out" / "manifest.json").to_dict() == written

@@ -15,7 +15,6 @@ neither resurrect a cancelled job nor overwrite a result.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import socket
@@ -47,6 +46,7 @@ from fxport.storage import (
 )
 from fxport.toolchain import local_toolchain
 from fxport.workers.artifact_upload import EarlyUpload
+from fxport.workers.engine.request import EngineRequest, TimingCachePaths, cpu_stage
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,9 @@ class WorkerContext:
     # tensorrt stage says on its record while it waits (workers/queue_consumers.py).
     gpu_workers: Callable[[], bool | None] | None = None
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    engine: Callable[..., dict[str, Any]] | None = None  # default: the sandboxed run_engine_job
+    # Runs one conversion: (request, on_progress=, cancel_event=, work_parent=) → manifest.
+    # Default: the sandboxed run_engine_job; tests give a stand-in.
+    engine: Callable[..., dict[str, Any]] | None = None
     # Set by the embedded pool when the server stops: an interrupted job is left as it is
     # (RUNNING) to be re-run on the next start, not recorded as failed.
     stopping: threading.Event = field(default_factory=threading.Event)
@@ -81,19 +83,14 @@ class WorkerContext:
     # (Celery); None in the embedded pool, whose one process owns every job.
     lease_s: float | None = None
 
-    def run_engine(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def run_engine(self, request: EngineRequest, *, on_progress: Callable[[dict[str, Any]], None],
+                   cancel_event: threading.Event | None = None, work_parent: Path | None = None) -> dict[str, Any]:
         engine = self.engine
         if engine is None:
             from fxport.workers.sandbox import run_engine_job
 
             engine = run_engine_job
-        params = inspect.signature(engine).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            for optional in ("cancel_event", "deferred_targets", "timing_cache_path",
-                             "input_sha256", "work_parent"):  # newer than some engines
-                if optional in kwargs and optional not in params:
-                    kwargs.pop(optional)
-        return engine(*args, **kwargs)
+        return engine(request, on_progress=on_progress, cancel_event=cancel_event, work_parent=work_parent)
 
 
 def artifact_format(name: str, manifest_formats: dict[str, str]) -> str:
@@ -304,18 +301,9 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         return rec
     log.info("job started", extra={"attempt": rec.attempts, "worker": ctx.worker_id})
     current = {"stage": "load"}
-    spec = parse_spec(rec.spec)
-    wants_trt = "tensorrt" in spec.targets
-    if wants_trt:
-        # The CPU part produces the ONNX the GPU stage builds from.
-        cpu_targets = [t for t in spec.targets if t != "tensorrt"]
-        if "onnx" not in cpu_targets:
-            cpu_targets.append("onnx")
-        cpu_spec = {**rec.spec, "targets": cpu_targets}
-        if spec.int8_runtimes() == ["tensorrt"]:
-            # tensorrt alone: the onnx target here is only the engine's input, so int8 stays TensorRT's scheme
-            cpu_spec["quantization"] = {**rec.spec.get("quantization", {}), "runtime": "tensorrt"}
-        spec = parse_spec(cpu_spec)
+    # The CPU part makes every other artifact and the ONNX model the GPU stage builds an engine from.
+    spec, deferred = cpu_stage(parse_spec(rec.spec))
+    wants_trt = bool(deferred)
     spec, clamped = clamp_limits(spec, ctx.settings)
     if clamped:
         ctx.jobs.transition(job_id, message="; ".join(clamped))
@@ -365,12 +353,12 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
             if rec.calibration is not None:
                 calibration_path = tmp / "input" / f"calibration{_suffix(rec.calibration.filename)}"
                 fetch_input(ctx, rec.calibration, calibration_path, "calibration")
-            timeout = min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s)
+            request = EngineRequest(
+                model_path=model_path, spec=spec, out_dir=out_dir, job_id=job_id, calibration_path=calibration_path,
+                deferred_targets=deferred, input_sha256=rec.model.sha256,  # `get` just checked the bytes against it
+                timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s))
             manifest = ctx.run_engine(
-                model_path, spec, out_dir, job_id=job_id, calibration_path=calibration_path,
-                on_progress=on_progress, timeout_s=timeout, cancel_event=cancel.event,
-                deferred_targets=("tensorrt",) if wants_trt else (),
-                input_sha256=rec.model.sha256,  # `get` just checked the bytes against it
+                request, on_progress=on_progress, cancel_event=cancel.event,
                 work_parent=tmp,  # the sandbox's folder beside this job's own, apart from every other job's
             )
             if cancel.event.is_set():
@@ -522,13 +510,11 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
                     ctx.jobs.transition(job_id, stage="tensorrt", progress=event.get("progress"),
                                         message=event.get("message"))
 
-            trt_manifest = ctx.run_engine(
-                onnx_path, spec, out_dir, job_id=job_id,
-                on_progress=on_progress,
+            request = EngineRequest(
+                model_path=onnx_path, spec=spec, out_dir=out_dir, job_id=job_id,
                 timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s),
-                timing_cache_path=cache.path if cache is not None else None,
-                work_parent=tmp,
-            )
+                timing_cache=TimingCachePaths(read=cache.path, write=cache.path) if cache is not None else None)
+            trt_manifest = ctx.run_engine(request, on_progress=on_progress, work_parent=tmp)
             stage = Manifest.model_validate(trt_manifest)
             if cache is not None:  # written back under the same key, if the build added timings
                 stage.tensorrt = {**(stage.tensorrt or {}),

@@ -214,7 +214,7 @@ def test_a_job_counts_as_running_while_its_worker_runs_it_and_a_failure_names_st
     seen: list[tuple[str, float]] = []
 
     def failing(queue: str, stage: str, error: Exception):
-        def engine(model_path, spec, out_dir, *, on_progress=None, **_):
+        def engine(request, *, on_progress=None, **_):
             seen.append((queue, _sample("fxport_jobs_running", {"queue": queue})))
             on_progress({"stage": stage, "progress": 0.0, "message": ""})
             raise error
@@ -232,7 +232,8 @@ def test_a_job_counts_as_running_while_its_worker_runs_it_and_a_failure_names_st
         assert execute_job(new_job(["onnx"]), ctx).error.code == "store_unreachable"
 
         # TensorRT: the CPU part makes model.onnx and hands on; the gpu stage then fails
-        def onnx_engine(model_path, spec, out_dir, **_):
+        def onnx_engine(request, **_):
+            out_dir = request.out_dir
             (out_dir / "model.onnx").write_bytes(b"onnx")
             art = {"format": "onnx", "path": "model.onnx", "bytes": 4, "sha256": hashlib.sha256(b"onnx").hexdigest()}
             manifest = {"artifacts": [art], "verification": [{"format": "onnx", "passed": True}]}

@@ -18,10 +18,11 @@ os.register_at_fork(before=lambda: FORKS.append(os.getpid()))  # every fork of t
 
 
 def test_a_sandboxed_job_report_has_both_graph_drawings(tiny_pt2: Path, tmp_path: Path, dot_binary: str):
+    from fxport.workers.engine.request import EngineRequest
     from fxport.workers.sandbox import run_engine_job
 
-    run_engine_job(tiny_pt2, parse_spec({"targets": ["torchscript"], "verify": {"samples": 1}}), tmp_path / "out",
-                   job_id="report-box")
+    run_engine_job(EngineRequest(model_path=tiny_pt2, spec=parse_spec({"targets": ["torchscript"],
+                                 "verify": {"samples": 1}}), out_dir=tmp_path / "out", job_id="report-box"))
     text = (tmp_path / "out" / "report.html").read_text()
     assert "Graph not drawn" not in text, text[text.find("Graph not drawn"):][:300]
     assert ReportIndex(text).svg_in.get("graph") == 2

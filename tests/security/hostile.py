@@ -44,7 +44,7 @@ def write_payload(marker_paths: list[Path]) -> str:
         targets.append(os.path.join(os.path.dirname(os.getcwd()), "escaped-marker"))
         try:
             with open("request.json") as f:
-                targets.append(json.load(f)["model_path"])  # tamper with the job's own input
+                targets.append(json.load(f)["engine"]["model_path"])  # tamper with the job's own input
         except (OSError, ValueError, KeyError):
             pass
         for target in targets:

@@ -268,7 +268,7 @@ def test_the_worker_never_follows_a_link_the_child_swaps_in(iso: IsolationStack,
     (secret_dir / "secret.txt").write_text(SECRET)
     body = textwrap.dedent(f"""
         import json, random, threading, time
-        out = json.load(open("request.json"))["out_dir"]
+        out = json.load(open("request.json"))["engine"]["out_dir"]
         targets = {{"evil_secret": ({str(secret_dir)!r}, "secret.txt"), "evil_proc": ("/proc/self", "environ")}}
         for name, (_, leaf) in targets.items():
             os.makedirs(os.path.join(out, name), exist_ok=True)

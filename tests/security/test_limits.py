@@ -126,9 +126,10 @@ def test_the_worker_runs_the_sandbox_within_the_server_maximums(tmp_path: Path):
     store, jobs = FileStore(tmp_path / "store"), SqliteJobStore(tmp_path / "jobs.db")
     seen = {}
 
-    def engine(model_path, spec, out_dir, **kw):
-        seen.update(memory_mb=spec.limits.memory_mb, spec_timeout=spec.limits.timeout_s, timeout_s=kw["timeout_s"])
-        (out_dir / "model.onnx").write_bytes(b"onnx")
+    def engine(request, **_):
+        spec = request.spec
+        seen.update(memory_mb=spec.limits.memory_mb, spec_timeout=spec.limits.timeout_s, timeout_s=request.timeout_s)
+        (request.out_dir / "model.onnx").write_bytes(b"onnx")
         return {"artifacts": []}
 
     ctx = WorkerContext(jobs=jobs, artifacts=store, engine=engine, worker_id="t",

@@ -64,12 +64,13 @@ def write_outputs(out_dir: Path, names=("model.onnx", "model.ts", "fx_source/mod
 
 
 def ok_engine(calls: list):
-    def engine(model_path, spec, out_dir, *, job_id, calibration_path=None, on_progress=None, timeout_s=None):
-        calls.append({"model": Path(model_path).read_bytes(), "targets": list(spec.targets), "job_id": job_id})
+    def engine(request, *, on_progress, **_):
+        calls.append({"model": request.model_path.read_bytes(), "targets": list(request.spec.targets),
+                      "job_id": request.job_id})
         for stage in ("load", "capture", "passes", "export", "verify"):
             on_progress({"stage": stage, "progress": 0.0, "message": ""})
             on_progress({"stage": stage, "progress": 1.0, "message": "done"})
-        return write_outputs(out_dir)
+        return write_outputs(request.out_dir)
     return engine
 
 
@@ -94,8 +95,8 @@ def test_success_uploads_every_file_under_deterministic_keys(ctx):
 def test_verification_failure_records_stage_and_keeps_the_manifest(ctx):
     rec = make_job(ctx)
 
-    def engine(model_path, spec, out_dir, **kw):
-        write_outputs(out_dir)
+    def engine(request, **_):
+        write_outputs(request.out_dir)
         raise VerificationFailed("onnx output differs: max |Δ| 0.3 > atol 1e-4", stage="verify")
 
     ctx.engine = engine
@@ -111,7 +112,7 @@ def test_verification_failure_records_stage_and_keeps_the_manifest(ctx):
 def test_unexpected_exception_fails_the_job_naming_the_stage(ctx):
     rec = make_job(ctx)
 
-    def engine(model_path, spec, out_dir, *, on_progress, **kw):
+    def engine(request, *, on_progress, **_):
         on_progress({"stage": "capture", "progress": 0.1, "message": ""})
         raise RuntimeError("boom")
 
@@ -157,8 +158,8 @@ def test_cancel_while_running_leaves_no_artifacts(ctx):
     rec = make_job(ctx)
     started = threading.Event()
 
-    def engine(model_path, spec, out_dir, *, cancel_event, on_progress, **kw):
-        write_outputs(out_dir)
+    def engine(request, *, cancel_event, on_progress, **_):
+        write_outputs(request.out_dir)
         on_progress({"stage": "export", "progress": 0.5, "message": ""})
         started.set()
         assert cancel_event.wait(10), "the cancel watch never fired"
@@ -191,7 +192,8 @@ def _staging_engine(ctx, job_id, seen: dict, rewrite_onnx: bool = False, fail: b
         (out_dir / WRITING_DIR / name).write_bytes(data)
         (out_dir / WRITING_DIR / name).replace(out_dir / name)
 
-    def engine(model_path, spec, out_dir, *, on_progress, **kw):
+    def engine(request, *, on_progress, **_):
+        out_dir = request.out_dir
         on_progress({"stage": "export", "progress": 0.0, "message": ""})
         write_whole(out_dir, "model.ts", b"torchscript bytes")
         on_progress({"stage": "export", "progress": 0.5, "message": "onnx"})
@@ -299,8 +301,9 @@ def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
     assert after.state is JobState.QUEUED and after.stage == "tensorrt"
     assert after.message.startswith("waiting for a GPU worker (queue gpu")
 
-    def trt_engine(model_path, spec, out_dir, **kw):
-        assert Path(model_path).read_bytes() == b"contents of model.onnx" and spec.targets == ["tensorrt"]
+    def trt_engine(request, **_):
+        out_dir = request.out_dir
+        assert request.model_path.read_bytes() == b"contents of model.onnx" and request.spec.targets == ["tensorrt"]
         p = out_dir / "model.engine"
         p.write_bytes(b"engine")
         art = {"format": "tensorrt", "path": "model.engine", "bytes": 6,

@@ -19,6 +19,7 @@ import pytest
 
 from fxport.errors import FxportError, ResourceLimitExceeded
 from fxport.spec import parse_spec
+from fxport.workers.engine.request import EngineRequest
 from fxport.workers.sandbox import run_engine_job
 from tests.fixtures.servers import process_state, sandbox_pids, wait_until
 
@@ -72,7 +73,7 @@ def test_environment_is_scrubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         raise RuntimeError("ENV=" + ";".join(f"{k}={v}" for k, v in os.environ.items()))
     """)
     with pytest.raises(FxportError) as info:
-        run_engine_job(model, SPEC, tmp_path / "out", job_id="t-env")
+        run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / "out", job_id="t-env"))
     text = str(info.value)
     assert "ENV=" in text  # the payload ran, inside the sandbox
     assert "s3cr3t" not in text and "AWS_SECRET" not in text and "FXPORT_BROKER_URL" not in text
@@ -94,7 +95,7 @@ def test_no_network_even_to_loopback(tmp_path: Path) -> None:
                 raise RuntimeError(f"NET=blocked {{exc}}")
         """)
         with pytest.raises(FxportError) as info:
-            run_engine_job(model, SPEC, tmp_path / "out", job_id="t-net")
+            run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / "out", job_id="t-net"))
     finally:
         listener.close()
     assert "NET=blocked" in str(info.value), str(info.value)
@@ -107,7 +108,7 @@ def test_unbounded_allocation_hits_the_memory_limit(tmp_path: Path) -> None:
     spec = SPEC.model_copy(update={"limits": SPEC.limits.model_copy(update={"memory_mb": 3072})})
     before = _failures("memory")
     with pytest.raises(ResourceLimitExceeded) as info:
-        run_engine_job(model, spec, tmp_path / "out", job_id="t-mem")
+        run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=tmp_path / "out", job_id="t-mem"))
     assert "memory" in str(info.value) and info.value.stage == "load"
     assert _failures("memory") == before + 1  # fxport_sandbox_failures_total{reason="memory"}
 
@@ -119,7 +120,8 @@ def test_a_hang_is_killed_at_the_wall_clock_limit(tmp_path: Path) -> None:
     """)
     before = _failures("timeout")
     with pytest.raises(ResourceLimitExceeded) as info:
-        run_engine_job(model, SPEC, tmp_path / "out", job_id="t-hang", timeout_s=8)
+        run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / "out", job_id="t-hang",
+                                     timeout_s=8))
     assert _failures("timeout") == before + 1
     assert "8 s wall-clock limit during load" in str(info.value)
 
@@ -138,9 +140,9 @@ def test_a_hung_sandbox_dies_with_the_worker_that_started_it(tmp_path: Path, mod
     """)
     worker = subprocess.Popen(
         [sys.executable, "-c", "import sys; from pathlib import Path; from fxport.spec import parse_spec; "
-         "from fxport.workers.sandbox import run_engine_job; "
-         "run_engine_job(Path(sys.argv[1]), parse_spec({'inputs': [{'name': 'x', 'shape': [2, 4]}], "
-         "'targets': ['onnx']}), Path(sys.argv[2]), job_id='t-orphan', timeout_s=600)",
+         "from fxport.workers.sandbox import run_engine_job; from fxport.workers.engine.request import EngineRequest; "
+         "run_engine_job(EngineRequest(model_path=Path(sys.argv[1]), spec=parse_spec({'inputs': [{'name': 'x', "
+         "'shape': [2, 4]}], 'targets': ['onnx']}), out_dir=Path(sys.argv[2]), job_id='t-orphan', timeout_s=600))",
          str(model), str(tmp_path / "out")],
         env={**os.environ, "FXPORT_SANDBOX_MODE": mode}, cwd=Path(__file__).resolve().parents[2])
     try:
@@ -166,7 +168,8 @@ def test_the_zygote_kills_a_child_its_worker_lost_track_of(tmp_path: Path, monke
     """)
     started = time.monotonic()
     with pytest.raises(FxportError) as info:
-        run_engine_job(model, SPEC, tmp_path / "out", job_id="t-backstop", timeout_s=600)
+        run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / "out", job_id="t-backstop",
+                                     timeout_s=600))
     assert time.monotonic() - started < 60
     assert "SIGKILL" in str(info.value) or "killed" in str(info.value), info.value
 
@@ -195,7 +198,7 @@ def test_a_time_limit_while_the_zygote_starts_is_not_swallowed(monkeypatch: pyte
 def test_a_good_model_still_converts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     monkeypatch.setenv("FXPORT_SANDBOX_MODE", mode)
     model = hostile_package(tmp_path, f"benign_{mode}", "pass")
-    manifest = run_engine_job(model, SPEC, tmp_path / "out", job_id="t-ok")
+    manifest = run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / "out", job_id="t-ok"))
     assert manifest["verification"][0]["passed"]
     assert manifest["sandbox"]["memory_limit_mb"] == SPEC.limits.memory_mb
     assert (tmp_path / "out" / "model.onnx").is_file()
@@ -225,14 +228,14 @@ def test_the_zygote_forks_from_huge_pages(tmp_path: Path, monkeypatch: pytest.Mo
         on_huge_pages = memory["AnonHugePages"] / memory["Anonymous"]
         if huge:
             assert on_huge_pages > 0.6, memory
-            assert zygote.ready["huge_pages"]["collapsed_mib"] > 100, zygote.ready
+            assert zygote.ready["huge_pages"]["huge_mib"] > 100, zygote.ready  # what it reports is what it holds
         elif thp.exists() and "[madvise]" in thp.read_text():
             # (only under [madvise]: under [always] the kernel may use huge pages for it anyway)
             assert on_huge_pages < 0.2, memory
         monkeypatch.setattr(launch, "_warm", zygote)
         monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
-        manifest = run_engine_job(hostile_package(tmp_path, "benign_huge", "pass"), SPEC, tmp_path / "out",
-                                  job_id="t-huge")
+        manifest = run_engine_job(EngineRequest(model_path=hostile_package(tmp_path, "benign_huge", "pass"),
+                                                spec=SPEC, out_dir=tmp_path / "out", job_id="t-huge"))
         assert manifest["verification"][0]["passed"]
     finally:
         zygote.close()
@@ -249,7 +252,8 @@ def test_warm_children_use_all_threads_and_do_not_hang(tmp_path: Path, monkeypat
     model = save_pt2(case, tmp_path / "r.pt2")
     spec = parse_spec(spec_dict(case, targets=("onnx",)))
     for i in range(2):
-        manifest = run_engine_job(model, spec, tmp_path / f"out{i}", job_id=f"t-r{i}", timeout_s=120)
+        manifest = run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=tmp_path / f"out{i}",
+                                                job_id=f"t-r{i}", timeout_s=120))
         assert manifest["verification"][0]["passed"]
 
 
@@ -291,9 +295,10 @@ def test_a_required_layer_that_cannot_be_had_fails_closed_before_the_model_runs(
     """)
     script = ("import sys; from pathlib import Path; from fxport.spec import parse_spec; "
               "from fxport.workers.sandbox import run_engine_job\n"
+              "from fxport.workers.engine.request import EngineRequest\n"
               "try:\n"
-              "    run_engine_job(Path(sys.argv[1]), parse_spec({'inputs': [{'name': 'x', 'shape': [2, 4]}], "
-              "'targets': ['onnx']}), Path(sys.argv[2]), job_id='t-require')\n"
+              "    run_engine_job(EngineRequest(model_path=Path(sys.argv[1]), spec=parse_spec({'inputs': [{'name': "
+              "'x', 'shape': [2, 4]}], 'targets': ['onnx']}), out_dir=Path(sys.argv[2]), job_id='t-require'))\n"
               "except Exception as exc:\n"
               "    print(f'{exc.code}: {exc}')\n")
     res = subprocess.run(["setpriv", "--bounding-set", "-sys_admin", "--", sys.executable, "-c", script, str(model),
@@ -316,8 +321,9 @@ work = Path(sys.argv[1])
 os.mkfifo(work / "events")
 reader = os.open(work / "events", os.O_RDWR | os.O_NONBLOCK)  # the worker's end
 (work / "request.json").write_text(json.dumps({
-    "model_path": sys.argv[2], "spec": parse_spec({"targets": ["onnx"]}).normalized(), "out_dir": str(work / "out"),
-    "job_id": "t-inherit", "limits": {"memory_bytes": 8 << 30, "cpu_seconds": 60, "isolate_network": False},
+    "engine": {"model_path": sys.argv[2], "spec": parse_spec({"targets": ["onnx"]}).normalized(),
+               "out_dir": str(work / "out"), "job_id": "t-inherit"},
+    "limits": {"memory_bytes": 8 << 30, "cpu_seconds": 60, "isolate_network": False},
     "events_path": str(work / "events"), "readable": [], "require": []}))
 (work / "out").mkdir()
 held = os.open(work / "lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -355,7 +361,7 @@ def test_killing_a_jobs_sandbox_kills_that_job_only(tmp_path: Path) -> None:
         import json, time
         with open("request.json") as f:
             request = json.load(f)
-        request["job_id"] = "t-kill-b"  # claims to be the other job
+        request["engine"]["job_id"] = "t-kill-b"  # claims to be the other job
         with open("request.json", "w") as f:
             json.dump(request, f)
         time.sleep(3600)
@@ -364,7 +370,8 @@ def test_killing_a_jobs_sandbox_kills_that_job_only(tmp_path: Path) -> None:
 
     def run(job: str) -> None:
         try:
-            run_engine_job(model, SPEC, tmp_path / job, job_id=job, timeout_s=300)
+            run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / job, job_id=job,
+                                         timeout_s=300))
         except BaseException as exc:  # noqa: BLE001 - what ended it is the finding
             outcome[job] = exc
 

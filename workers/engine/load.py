@@ -3,34 +3,59 @@
 This is the ONE place a model file is deserialized. Loading runs code from the file
 (.pt2 may fall back to unpickling, torch.package imports packaged code), so it is only
 ever called inside the sandbox process (DESIGN.md §6).
+
+The formats it reads are the FORMATS registry (end of this file): adding an input format
+is one InputFormat entry there plus its loader.
 """
 
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fxport.errors import InvalidInput, UnsupportedModelFormat
 
-ACCEPTED = (
-    "a torch.export archive (.pt2, from torch.export.save)",
-    "a torch.package archive (torch.package.PackageExporter with one pickled nn.Module)",
-    "a TorchScript archive (torch.jit.save)",
-    "an ONNX model (only for the onnx and tensorrt targets)",
-)
-ACCEPTED_TEXT = "; ".join(ACCEPTED)
-
 
 @dataclass
 class LoadedModel:
-    format: str  # torch_export | torch_package | torchscript | onnx
+    format: str  # an InputFormat name: torch_export | torch_package | torchscript | onnx
     module: Any = None  # a callable nn.Module (eager reference), None for ONNX
     exported_program: Any = None  # for torch_export (and TorchScript converted later)
     onnx_path: Path | None = None
     example_inputs: tuple[Any, ...] | None = None
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class InputFormat:
+    """One model format fxport reads. Adding an input format = one entry in FORMATS plus its loader."""
+
+    name: str  # LoadedModel.format
+    accepted: str  # user-facing description, listed in rejections
+    load: Callable[[Path], LoadedModel]
+    # recognises a zip-based format from its archive's entry names (the tails below the top folder)
+    zip_entries: Callable[[set[str]], bool] | None = None
+    # content check for a non-zip format; it must not raise
+    sniff: Callable[[Path], bool] | None = None
+
+
+def _is_torch_export(tails: set[str]) -> bool:
+    return "archive_format" in tails or any(t.startswith("models/") and t.endswith(".json") for t in tails)
+
+
+def _is_torch_package(tails: set[str]) -> bool:
+    return ".data/extern_modules" in tails
+
+
+def _is_torchscript(tails: set[str]) -> bool:
+    return "data.pkl" in tails and any(t.startswith("code/") for t in tails)
+
+
+def _load_onnx(path: Path) -> LoadedModel:
+    return LoadedModel(format="onnx", onnx_path=path)
 
 
 def detect_format(path: Path) -> str:
@@ -44,8 +69,9 @@ def detect_format(path: Path) -> str:
         head = fh.read(4)
     if head.startswith(b"PK"):
         return _detect_zip(path)
-    if _looks_like_onnx(path):
-        return "onnx"
+    for fmt in FORMATS:
+        if fmt.sniff is not None and fmt.sniff(path):
+            return fmt.name
     raise UnsupportedModelFormat(
         f"the model file ({size} bytes, starting {head.hex()}) is not a format fxport reads",
         stage="load",
@@ -107,12 +133,9 @@ def _detect_zip(path: Path) -> str:
             hint="re-save the model and upload the complete file",
         )
     tails = {n.split("/", 1)[1] if "/" in n else n for n in names}
-    if "archive_format" in tails or any(t.startswith("models/") and t.endswith(".json") for t in tails):
-        return "torch_export"
-    if ".data/extern_modules" in tails:
-        return "torch_package"
-    if "data.pkl" in tails and any(t.startswith("code/") for t in tails):
-        return "torchscript"
+    for fmt in FORMATS:
+        if fmt.zip_entries is not None and fmt.zip_entries(tails):
+            return fmt.name
     if "data.pkl" in tails:
         raise UnsupportedModelFormat(
             "this is a torch.save checkpoint (a state_dict or a pickled module), which carries no graph",
@@ -142,13 +165,7 @@ def load_model(path: Path) -> LoadedModel:
     """Deserialize the model at `path` (sandbox only). Raises InvalidInput with what to do."""
     fmt = detect_format(path)
     try:
-        if fmt == "torch_export":
-            return _load_pt2(path)
-        if fmt == "torchscript":
-            return _load_torchscript(path)
-        if fmt == "torch_package":
-            return _load_package(path)
-        return LoadedModel(format="onnx", onnx_path=path)
+        return input_format(fmt).load(path)
     except (InvalidInput, MemoryError):
         raise
     except Exception as exc:
@@ -207,3 +224,28 @@ def _load_package(path: Path) -> LoadedModel:
         )
     obj.eval()
     return LoadedModel(format="torch_package", module=obj)
+
+
+# In detection order: the first entry whose check matches names the file.
+FORMATS: tuple[InputFormat, ...] = (
+    InputFormat("torch_export", "a torch.export archive (.pt2, from torch.export.save)", _load_pt2,
+                zip_entries=_is_torch_export),
+    InputFormat("torch_package",
+                "a torch.package archive (torch.package.PackageExporter with one pickled nn.Module)", _load_package,
+                zip_entries=_is_torch_package),
+    InputFormat("torchscript", "a TorchScript archive (torch.jit.save)", _load_torchscript,
+                zip_entries=_is_torchscript),
+    InputFormat("onnx", "an ONNX model (only for the onnx and tensorrt targets)", _load_onnx,
+                sniff=_looks_like_onnx),
+)
+FORMAT_NAMES = tuple(f.name for f in FORMATS)
+ACCEPTED = tuple(f.accepted for f in FORMATS)
+ACCEPTED_TEXT = "; ".join(ACCEPTED)
+
+
+def input_format(name: str) -> InputFormat:
+    """The registry entry named `name`. Raises KeyError."""
+    for fmt in FORMATS:
+        if fmt.name == name:
+            return fmt
+    raise KeyError(name)

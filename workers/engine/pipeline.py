@@ -6,8 +6,6 @@ it in-process. It always leaves manifest.json in `out_dir`, also when a stage fa
 
 from __future__ import annotations
 
-import json
-import platform
 import shutil
 import tempfile
 import time
@@ -29,7 +27,19 @@ from fxport.errors import (
     ResourceLimitExceeded,
     VerificationFailed,
 )
+from fxport.manifest import (
+    SCHEMA_VERSION,
+    ArtifactRecord,
+    CaptureRecord,
+    ErrorRecord,
+    FailedTarget,
+    InputRecord,
+    Manifest,
+    PassRecord,
+    VerificationRecord,
+)
 from fxport.spec import JobSpec
+from fxport.toolchain import manifest_toolchain
 from fxport.workers.engine.capture import (
     Captured,
     capture_ladder,
@@ -41,6 +51,7 @@ from fxport.workers.engine.exporters.registry import REGISTRY, TENSORRT_ONNX, Ex
 from fxport.workers.engine.inputs import InputSignature, resolve_signature
 from fxport.workers.engine.load import LoadedModel, load_model
 from fxport.workers.engine.passes import PassContext, run_passes
+from fxport.workers.engine.request import DeferredTarget, EngineRequest, TimingCachePaths
 from fxport.workers.engine.verify.comparator import SamplePoint, inconclusive_warnings, verify_artifacts
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -48,24 +59,22 @@ ProgressFn = Callable[[dict[str, Any]], None]
 WRITING_DIR = ".writing"  # where an exporter writes; never an artifact name (those never start with '.')
 
 
-def toolchain() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"fxport": fxport.__version__, "python": platform.python_version(),
-                                       "torch": torch.__version__}
-    for mod in ("onnx", "onnxruntime", "tensorrt"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:
-            versions[mod] = None
-    return versions
-
-
 class _Run:
-    """Per-conversion bookkeeping: the manifest being built, stage timings, progress events."""
+    """Per-conversion bookkeeping: the request, the manifest being built, stage timings, progress events."""
 
-    def __init__(self, manifest: dict[str, Any], on_progress: ProgressFn | None) -> None:
-        self.manifest, self.on_progress = manifest, on_progress
-        self.deferred: tuple[str, ...] = ()  # targets a later stage builds from this run's outputs (tensorrt)
-        self.timing_cache: tuple[Path | None, Path | None] = (None, None)  # TensorRT timing cache: (read, write)
+    def __init__(self, request: EngineRequest, manifest: Manifest, on_progress: ProgressFn | None) -> None:
+        self.request, self.manifest, self.on_progress = request, manifest, on_progress
+
+    @property
+    def spec(self) -> JobSpec:
+        return self.request.spec
+
+    @property
+    def out_dir(self) -> Path:
+        return self.request.out_dir
+
+    def warn(self, message: str) -> None:
+        self.manifest.warnings.append(message)
 
     def emit(self, stage: str, progress: float, message: str = "") -> None:
         if self.on_progress:
@@ -85,7 +94,7 @@ class _Run:
         except Exception as exc:
             raise ConversionFailed(f"{name} failed: {type(exc).__name__}: {exc}", stage=name) from exc
         finally:
-            self.manifest["timings_s"][name] = round(time.perf_counter() - start, 4)
+            self.manifest.timings_s[name] = round(time.perf_counter() - start, 4)
         self.emit(name, 1.0, "done")
 
 
@@ -97,92 +106,92 @@ def convert(
     job_id: str | None = None,
     calibration_path: Path | None = None,
     on_progress: ProgressFn | None = None,
-    deferred_targets: Sequence[str] = (),
+    deferred_targets: Sequence[DeferredTarget] = (),
     timing_cache_path: Path | None = None,
     timing_cache_out: Path | None = None,
     input_sha256: str | None = None,
     report: bool = True,
 ) -> dict[str, Any]:
-    """Convert the model at `model_path` per `spec` into `out_dir`. Returns the manifest.
+    """`convert_request` for a request spelled out in keywords (scripts, tests, benchmarks).
 
-    `input_sha256`: the model file's sha256 when the caller already checked it (a worker
-    verifies the download), so the manifest does not read the whole file again for it.
-
-    `deferred_targets` ("tensorrt") are built later, elsewhere (the GPU queue), from this run's
-    ONNX model: this run makes and preflights that ONNX model instead of building them.
     `timing_cache_path`: a TensorRT timing cache file a build reads; the merged cache is written to
-    `timing_cache_out` (default: the same file). See tensorrt/timing_cache.py.
+    `timing_cache_out` (default: the same file). See request.EngineRequest for the rest."""
+    cache = (TimingCachePaths(read=timing_cache_path, write=timing_cache_out or timing_cache_path)
+             if timing_cache_path is not None else None)
+    request = EngineRequest(model_path=model_path, spec=spec, out_dir=out_dir, job_id=job_id,
+                            calibration_path=calibration_path, deferred_targets=tuple(deferred_targets),
+                            timing_cache=cache, input_sha256=input_sha256)
+    return convert_request(request, on_progress=on_progress, report=report)
+
+
+def convert_request(request: EngineRequest, *, on_progress: ProgressFn | None = None,
+                    report: bool = True) -> dict[str, Any]:
+    """Convert per `request` into `request.out_dir`. Returns the manifest (as JSON data).
+
     `report`: also write report.html (the sandbox leaves it to its parent, which may run `dot`).
     Raises an FxportError subclass naming the stage; manifest.json is written either way.
     """
+    out_dir, model_path = request.out_dir, request.model_path
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest: dict[str, Any] = {
-        "fxport_version": fxport.__version__,
-        "job_id": job_id,
-        "toolchain": toolchain(),
-        "input": {"format": None, "sha256": input_sha256 or sha256_file(model_path)[0],
-                  "bytes": model_path.stat().st_size},
-        "spec": spec.normalized(),
-        "capture": None,
-        "passes": [],
-        "artifacts": [],
-        "verification": [],
-        "profile": None,
-        "warnings": [],
-        "timings_s": {},
-        "status": "running",
-        "error": None,
-    }
-    run = _Run(manifest, on_progress)
-    run.deferred, run.timing_cache = tuple(deferred_targets), (timing_cache_path, timing_cache_out or timing_cache_path)
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION,
+        fxport_version=fxport.__version__,
+        job_id=request.job_id,
+        toolchain=manifest_toolchain(),
+        input=InputRecord(format=None, sha256=request.input_sha256 or sha256_file(model_path)[0],
+                          bytes=model_path.stat().st_size),
+        spec=request.spec.normalized(),
+        capture=None, passes=[], artifacts=[], verification=[], profile=None, warnings=[], timings_s={},
+        status="running", error=None,
+    )
+    run = _Run(request, manifest, on_progress)
     try:
-        _convert(run, model_path, spec, out_dir, calibration_path)
-        manifest["status"] = "succeeded"
+        _convert(run)
+        manifest.status = "succeeded"
     except FxportError as exc:
-        manifest["status"] = "failed"
-        manifest["error"] = exc.to_dict()
+        manifest.status, manifest.error = "failed", ErrorRecord.model_validate(exc.to_dict())
         raise
     except Exception as exc:  # an engine bug: still a clean, named failure
-        manifest["status"] = "failed"
         err = ConversionFailed(f"internal error: {type(exc).__name__}: {exc}", stage="export")
-        manifest["error"] = err.to_dict()
+        manifest.status, manifest.error = "failed", ErrorRecord.model_validate(err.to_dict())
         raise err from exc
     finally:
-        (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+        manifest.write(out_dir / "manifest.json")
         if report:
             _write_report(out_dir / "manifest.json", manifest)
-    return manifest
+    return manifest.to_dict()
 
 
-def _write_report(manifest_path: Path, manifest: dict[str, Any]) -> None:
+def _write_report(manifest_path: Path, manifest: Manifest) -> None:
     """report.html beside the manifest. A report problem never fails the conversion."""
     from fxport.report import write_report
 
     try:
         write_report(manifest_path)
     except Exception as exc:
-        manifest["warnings"].append(f"report.html could not be written: {type(exc).__name__}: {exc}")
-        manifest_path.write_text(json.dumps(manifest, indent=2, default=str))
+        manifest.warn(f"report.html could not be written: {type(exc).__name__}: {exc}")
+        manifest.write(manifest_path)
 
 
-def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibration_path: Path | None = None) -> None:
-    manifest = run.manifest
+def _convert(run: _Run) -> None:
+    manifest, request, spec, out_dir = run.manifest, run.request, run.spec, run.out_dir
+    calibration_path = request.calibration_path
     torch.manual_seed(spec.verify.seed)
     with run.stage("load"):
-        loaded = load_model(model_path)
-        manifest["input"]["format"] = loaded.format
-        _check_targets(loaded, spec, run.deferred)
+        loaded = load_model(request.model_path)
+        manifest.input.format = loaded.format
+        _check_targets(loaded, request)
         sig = resolve_signature(spec, loaded) if loaded.format != "onnx" else None
         if sig is not None:
-            manifest["inputs"] = {
+            manifest.inputs = {
                 "inputs": [i.model_dump() for i in sig.inputs],
                 "dynamic_dims": {k: v.model_dump() for k, v in sig.dynamic_dims.items()},
             }
-            manifest["warnings"].extend(sig.notes)
+            manifest.warnings.extend(sig.notes)
     if loaded.format == "onnx":
-        if spec.precision != "fp32" and _wants_tensorrt(spec, run):
+        if spec.precision != "fp32" and request.needs_tensorrt_onnx:
             if "onnx" in spec.targets:
-                manifest["warnings"].append(f"precision {spec.precision} applies to the TensorRT engine; model.onnx is "
+                run.warn(f"precision {spec.precision} applies to the TensorRT engine; model.onnx is "
                                             "the uploaded model as it is")
         elif spec.precision != "fp32":
             raise InvalidInput(
@@ -193,7 +202,7 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
         if spec.benchmark is not None and "onnx" in spec.targets:
             with run.stage("benchmark"):
                 _benchmark_onnx_input(run, loaded, spec, out_dir)
-        if "tensorrt" in spec.targets and "tensorrt" not in run.deferred:
+        if request.builds_tensorrt:
             with run.stage("tensorrt"):
                 _build_tensorrt_from_onnx_input(run, loaded, spec, out_dir)
         return
@@ -208,7 +217,7 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
         assert capture_failure is not None
         written = _build_from_eager(run, loaded, sig, spec, out_dir, example, capture_failure)
         if calibration_path is not None:  # the eager path is fp32 only
-            manifest["warnings"].append("calibration data was given but precision is fp32: it was not used")
+            run.warn("calibration data was given but precision is fp32: it was not used")
     else:
         written, reduced, trt_onnx = _build_from_graph(run, captured, loaded, sig, spec, out_dir, example,
                                                        calibration_path)
@@ -224,11 +233,11 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
 
             # the ONNX made for TensorRT is timed as the engine, on the GPU, not in onnxruntime here
             cpu_runners = [r for r in runners if r.name != TENSORRT_ONNX]
-            manifest["benchmark"] = measure([EagerRunner(loaded.module), *cpu_runners], sig, spec.benchmark,
+            manifest.benchmark = measure([EagerRunner(loaded.module), *cpu_runners], sig, spec.benchmark,
                                             verified=verified_formats(records), seed=spec.verify.seed,
                                             emit=run.emit)
 
-    if "tensorrt" in spec.targets and "tensorrt" not in run.deferred and trt_onnx is not None:
+    if request.builds_tensorrt and trt_onnx is not None:
         with run.stage("tensorrt"):
             from fxport.workers.engine.tensorrt.stage import build_stage
             from fxport.workers.engine.verify.runners import EagerRunner
@@ -237,9 +246,9 @@ def _convert(run: _Run, model_path: Path, spec: JobSpec, out_dir: Path, calibrat
                           else _sample_points(sig, spec))
             engine = build_stage(manifest, run.emit, onnx_path=trt_onnx, sig=sig, spec=spec, out_dir=out_dir,
                                  reference=EagerRunner(loaded.module), reference_label="the original model (eager)",
-                                 points=trt_points, timing_cache=run.timing_cache)
+                                 points=trt_points, timing_cache=request.timing_cache)
             trt_scheme = reduced.scheme_of("tensorrt") if reduced else None
-            manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir, int8_scheme=trt_scheme))
+            manifest.artifacts.extend(_artifact_records("tensorrt", engine, out_dir, int8_scheme=trt_scheme))
             _benchmark_engine(run, engine, sig, spec)
 
 
@@ -252,12 +261,12 @@ def _capture(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: JobSpec
     except CaptureFailed as exc:
         blocker = eager_fallback_blocker(loaded, spec.capture, spec.precision, spec.targets)
         if blocker is None:
-            run.manifest["capture"] = eager_capture_record(exc)
+            run.manifest.capture = CaptureRecord.model_validate(eager_capture_record(exc))
             return None, exc
         if loaded.format != "torch_export" and isinstance(loaded.module, torch.nn.Module):
             exc.hint = f"{exc.hint}; {blocker}" if exc.hint else blocker
         raise
-    run.manifest["capture"] = {"method": captured.method, "level": captured.level, "attempts": captured.attempts}
+    run.manifest.capture = CaptureRecord(method=captured.method, level=captured.level, attempts=captured.attempts)
     return captured, None
 
 
@@ -270,26 +279,26 @@ def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: I
     gm = captured.graph_module
     with run.stage("passes"):
         ctx = PassContext(level=captured.level, example_inputs=example)
-        manifest["graph_before"] = _graph_summary(gm)
+        manifest.graph_before = _graph_summary(gm)
         gm, records = run_passes(gm, spec.passes, ctx)
-        manifest["passes"] = records
-        manifest["graph_after"] = _graph_summary(gm)
+        manifest.passes = [PassRecord.model_validate(r) for r in records]
+        manifest.graph_after = _graph_summary(gm)
         if "profile" in ctx.report:
-            manifest["profile"] = ctx.report["profile"]
+            manifest.profile = ctx.report["profile"]
 
     reduced: _Reduced | None = None
     if spec.precision != "fp32":
         with run.stage("quantize", spec.precision):
             reduced = _reduce_precision(run, gm, sig, spec, example, calibration_path)
     elif calibration_path is not None:
-        manifest["warnings"].append("calibration data was given but precision is fp32: it was not used")
+        run.warn("calibration data was given but precision is fp32: it was not used")
 
     written: dict[str, Path] = {}
     with run.stage("export"):
         targets: list[str] = [t for t in spec.targets if t in REGISTRY]
-        if _wants_tensorrt(spec, run) and "onnx" not in targets:
+        if run.request.needs_tensorrt_onnx and "onnx" not in targets:
             targets.append("onnx")  # the TensorRT engine is built from it
-        if _wants_tensorrt(spec, run) and reduced is not None and reduced.separate_tensorrt_onnx:
+        if run.request.needs_tensorrt_onnx and reduced is not None and reduced.separate_tensorrt_onnx:
             targets.append(TENSORRT_ONNX)  # int8 for TensorRT is its own ONNX (symmetric), beside model.onnx
         extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
         provenance = _provenance(manifest, spec)
@@ -300,13 +309,13 @@ def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: I
                             provenance=provenance)
             written[target], note, interface = _export_one(target, REGISTRY[target].from_graph, job, out_dir)
             if interface is not None:
-                manifest["outputs"] = interface["outputs"]
+                manifest.outputs = interface["outputs"]
             if note and reduced is None:
-                manifest["warnings"].append(f"{target}: {note}")
+                run.warn(f"{target}: {note}")
             elif note:  # how a reduced-precision artifact was built (int8 kernels or fake-quant, ...)
-                manifest["quantization"].setdefault("artifact_notes", {})[target] = note
+                _quantization(run).setdefault("artifact_notes", {})[target] = note
         for target, path in written.items():
-            manifest["artifacts"].extend(_artifact_records(target, path, out_dir,
+            manifest.artifacts.extend(_artifact_records(target, path, out_dir,
                                                            int8_scheme=reduced.scheme_of(target) if reduced else None))
         if reduced is not None and reduced.int8 is not None:
             for target in ("onnx", TENSORRT_ONNX):
@@ -314,7 +323,7 @@ def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: I
                     run.emit("export", 0.95, f"checking the int8 ONNX model {written[target].name}")
                     _check_int8_onnx(run, reduced, target, written[target], example, sig, spec)
         trt_onnx = written.get(TENSORRT_ONNX, written.get("onnx"))
-        if _wants_tensorrt(spec, run):  # fail here, in seconds, on what TensorRT's parser rejects
+        if run.request.needs_tensorrt_onnx:  # fail here, in seconds, on what TensorRT's parser rejects
             from fxport.workers.engine.tensorrt.stage import preflight_stage
 
             run.emit("export", 0.97, "TensorRT preflight")
@@ -329,16 +338,16 @@ def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec:
     (manifest "failed_targets", with why). Raises CaptureFailed when not one artifact could be made."""
     manifest = run.manifest
     why = short_capture_reason(failure)
-    manifest["warnings"].append(f"no graph could be captured ({why}): the artifacts are built from the eager "
+    run.warn(f"no graph could be captured ({why}): the artifacts are built from the eager "
                                 "model, without the graph passes")
     with run.stage("passes"):
-        manifest["passes"] = [
-            {"name": p.name, "applied": False, "changed": False,
-             "notes": "not applied: no graph was captured (see capture.reason); the artifacts come from the "
-                      "eager model"}
+        manifest.passes = [
+            PassRecord(name=p.name, applied=False, changed=False,
+                       notes="not applied: no graph was captured (see capture.reason); the artifacts come from the "
+                             "eager model")
             for p in spec.passes]
     written: dict[str, Path] = {}
-    failed: list[dict[str, str]] = []
+    failed: list[FailedTarget] = []
     with run.stage("export", "from the eager model"):
         extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
         provenance = _provenance(manifest, spec)
@@ -346,31 +355,31 @@ def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec:
             run.emit("export", i / max(len(spec.targets), 1), target)
             from_eager = REGISTRY[target].from_eager if target in REGISTRY else None
             if from_eager is None:
-                failed.append({"target": target, "stage": "capture",
-                               "reason": f"{target} needs a graph, and none could be captured ({why}; every rung "
-                                         "is in capture.attempts)"})
+                failed.append(FailedTarget(target=target, stage="capture",
+                                           reason=f"{target} needs a graph, and none could be captured ({why}; "
+                                                  "every rung is in capture.attempts)"))
                 continue
             job = ExportJob(graph=None, module=loaded.module, example=example, sig=sig, spec=spec,
                             extremes=extremes, precision="fp32", provenance=provenance)
             try:
                 written[target], note, interface = _export_one(target, from_eager, job, out_dir)
             except FxportError as exc:
-                failed.append({"target": target, "stage": "export", "reason": str(exc)})
+                failed.append(FailedTarget(target=target, stage="export", reason=str(exc)))
                 continue
             if interface is not None:
-                manifest["outputs"] = interface["outputs"]
-            manifest["warnings"].append(f"{target}: {note}")
-        manifest["failed_targets"] = failed
+                manifest.outputs = interface["outputs"]
+            run.warn(f"{target}: {note}")
+        manifest.failed_targets = failed
         if not written:
             err = CaptureFailed(
                 f"{failure.message}; nothing could be built from the eager model either: "
-                + "; ".join(f"{f['target']}: {f['reason']}" for f in failed if f["stage"] != "capture"),
+                + "; ".join(f"{f.target}: {f.reason}" for f in failed if f.stage != "capture"),
                 stage="capture", hint=failure.hint)
             err.attempts = getattr(failure, "attempts", [])  # type: ignore[attr-defined]
             raise err
-        manifest["warnings"].extend(f"{f['target']} was not built: {f['reason']}" for f in failed)
+        manifest.warnings.extend(f"{f.target} was not built: {f.reason}" for f in failed)
         for built, path in written.items():
-            manifest["artifacts"].extend(_artifact_records(built, path, out_dir))
+            manifest.artifacts.extend(_artifact_records(built, path, out_dir))
     return written
 
 
@@ -397,8 +406,8 @@ def _verify_stage(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: Job
     for record in records:
         if sig.dynamic_dims and record["format"] in written:
             record["outside_range"] = REGISTRY[record["format"]].past_range(written[record["format"]])
-    manifest["verification"] = records
-    manifest["warnings"].extend(inconclusive_warnings(records))
+    manifest.verification = [VerificationRecord.model_validate(r) for r in records]
+    manifest.warnings.extend(inconclusive_warnings(records))
     failed = [r for r in records if not r["passed"]]
     if not failed:
         return runners, records
@@ -409,12 +418,12 @@ def _verify_stage(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: Job
         for r in failed
     )
     if not spec.verify.fail_on_mismatch:
-        manifest["warnings"].append(f"verification mismatches allowed by spec.verify.fail_on_mismatch=false: {table}")
+        run.warn(f"verification mismatches allowed by spec.verify.fail_on_mismatch=false: {table}")
         return runners, records
     if reduced is not None:
         raise _reduced_precision_failure(run, spec, tol, reduced, failed, table)
     hint = "inspect manifest.json 'verification'; loosen spec.verify only if the difference is expected"
-    if (manifest.get("capture") or {}).get("method") == "eager":
+    if manifest.capture is not None and manifest.capture.method == "eager":
         hint += ("; these artifacts were built from the eager model: a traced one keeps only the example's path "
                  "through Python control flow (see the warnings for how each was made)")
     raise VerificationFailed(
@@ -425,7 +434,6 @@ def _verify_stage(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: Job
 def _reduced_precision_failure(run: _Run, spec: JobSpec, tol: Any, reduced: _Reduced,
                                failed: list[dict[str, Any]], table: str) -> VerificationFailed:
     """The error for fp16/int8 artifacts that miss their target, with the per-layer report for int8."""
-    manifest = run.manifest
     detail = None
     message = f"{len(failed)} {spec.precision} artifact(s) miss their target ({tol.describe()}): {table}"
     hint = "see manifest.json 'quantization'"
@@ -434,7 +442,8 @@ def _reduced_precision_failure(run: _Run, spec: JobSpec, tol: Any, reduced: _Red
 
         # the per-layer report of the scheme the first failed artifact was made in
         runtime = reduced.runtime_for(failed[0]["format"])
-        report = manifest["quantization"]["schemes"].get(runtime, manifest["quantization"])
+        quantization = _quantization(run)
+        report = quantization["schemes"].get(runtime, quantization)
         detail = layer_table(report, limit=1000)
         message += (f"\nper-layer error of the {runtime} scheme (worst first, held-out data):\n"
                     + layer_table(report))
@@ -489,9 +498,9 @@ def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, ex
         from fxport.workers.engine.quantize.fp16 import to_half
 
         if calibration_path is not None:
-            manifest["warnings"].append("calibration data was given but precision is fp16: it was not used")
+            run.warn("calibration data was given but precision is fp16: it was not used")
         half = to_half(gm, example)
-        manifest["quantization"] = {
+        manifest.quantization = {
             "precision": "fp16", "method": "cast", "kept_fp32": half.kept_fp32, "casts": half.casts,
             "interface": "inputs and outputs stay float32; the graph computes in float16 inside",
             "layers": [],
@@ -506,12 +515,12 @@ def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, ex
 
     run.emit("quantize", 0.0, "loading calibration data" if calibration_path else "drawing random calibration samples")
     data = load_calibration(calibration_path, sig, spec.quantization.calibration, spec.verify.seed)
-    manifest["warnings"].extend(data.warnings)
+    manifest.warnings.extend(data.warnings)
     exact = exact_int8_dot_products()
     # 8-bit weights by default, on every CPU: with uint8 activations (mostly small after a ReLU) too few
     # u8×s8 pairs saturate on CPUs without VNNI to be worth the precision 7-bit weights lose everywhere
     reduce_range = bool(spec.quantization.reduce_range)
-    runtimes = spec.int8_runtimes(also_targets=run.deferred)
+    runtimes = spec.int8_runtimes(also_targets=run.request.deferred_targets)
     share = 1.0 / (len(runtimes) + 1)  # calibration, then each scheme's conversion, report and fallback
     calibrated = calibrate_int8(gm, data.calibration, spec.quantization,
                                 on_progress=lambda frac, msg: run.emit("quantize", share * frac, msg))
@@ -527,7 +536,7 @@ def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, ex
             on_progress=on_progress)
     result = by_runtime[runtimes[0]]
     machine = machine_info()
-    manifest["quantization"] = {
+    manifest.quantization = {
         **result.report, "calibration": data.info,
         # where each scheme's onnxruntime/fbgemm results were measured: int8 accuracy on a CPU depends on it
         "verified_on": {"cpu": machine["cpu"], "arch": machine["arch"], "isa": machine["isa"],
@@ -536,14 +545,14 @@ def _reduce_precision(run: _Run, gm: Any, sig: InputSignature, spec: JobSpec, ex
     }
     for runtime, r in by_runtime.items():
         label = f"int8 ({runtime} scheme)" if len(by_runtime) > 1 else "int8"
-        manifest["warnings"].extend(f"{label}: {note}" for note in r.report.get("notes", []) if runtime == runtimes[0])
+        manifest.warnings.extend(f"{label}: {note}" for note in r.report.get("notes", []) if runtime == runtimes[0])
         if r.report["fallback_layers"]:
-            manifest["warnings"].append(
+            run.warn(
                 f"{label}: {len(r.report['fallback_layers'])} layer(s) kept in fp32 to reach "
                 f"quantization.target_cosine={spec.quantization.target_cosine}: "
                 f"{', '.join(r.report['fallback_layers'])}")
         if r.report["end_to_end"]["target_met"] is False:
-            manifest["warnings"].append(
+            run.warn(
                 f"{label}: end-to-end cosine {r.report['end_to_end']['cosine']:.5f} misses quantization.target_cosine="
                 f"{spec.quantization.target_cosine} with {len(r.report['fallback_layers'])} of "
                 f"{len(r.report['layers'])} layers kept in fp32")
@@ -560,7 +569,7 @@ def _int8_runners(run: _Run, reduced: _Reduced, runners: list[Any]) -> list[Any]
         if runner.name in ("onnx", TENSORRT_ONNX) and reduced.runtime_for(runner.name) == "tensorrt":
             name, runner = runner.name, type(runner)(runner.path, runner.input_names, int8_kernels=False)
             runner.name = name
-            run.manifest["quantization"]["schemes"]["tensorrt"]["verified_in"] = (
+            _quantization(run)["schemes"]["tensorrt"]["verified_in"] = (
                 f"{runner.runtime} here; the engine against the original model where it is built")
         kept.append(runner)
     return kept
@@ -572,7 +581,7 @@ def _check_int8_onnx(run: _Run, reduced: _Reduced, target: str, onnx_path: Path,
     try:
         _inspect_int8_onnx(run, reduced, target, onnx_path, example, sig, spec)
     except Exception as exc:  # a report that could not be made never fails the conversion
-        run.manifest["warnings"].append(f"int8: {onnx_path.name} could not be inspected: {type(exc).__name__}: {exc}")
+        run.warn(f"int8: {onnx_path.name} could not be inspected: {type(exc).__name__}: {exc}")
 
 
 def _inspect_int8_onnx(run: _Run, reduced: _Reduced, target: str, onnx_path: Path, example: tuple[Any, ...],
@@ -582,15 +591,15 @@ def _inspect_int8_onnx(run: _Run, reduced: _Reduced, target: str, onnx_path: Pat
     result = reduced.by_runtime[reduced.runtime_for(target)]
     primary = result is reduced.int8
     # the first scheme's report is the quantization section itself; another's sits in its "schemes" entry
-    quant = run.manifest["quantization"] if primary else run.manifest["quantization"]["schemes"][result.scheme.runtime]
+    quant = _quantization(run) if primary else _quantization(run)["schemes"][result.scheme.runtime]
     kernels = oq.onnxruntime_kernels(onnx_path)
     quant["onnx"] = {"onnxruntime": kernels}
     if result.scheme.runtime == "tensorrt":  # the onnxruntime scheme's uint8 zero points are not for TensorRT
         quant["onnx"]["tensorrt_explicit_quantization"] = oq.explicit_quantization_issues(onnx_path)
     if primary:
-        run.manifest["quantization"]["schemes"][result.scheme.runtime]["onnx"] = quant["onnx"]
+        _quantization(run)["schemes"][result.scheme.runtime]["onnx"] = quant["onnx"]
     if not kernels["int8_kernels"] and result.scheme.runtime == "onnxruntime":
-        run.manifest["warnings"].append(
+        run.warn(
             "int8: onnxruntime fused no Q/DQ into int8 kernels; the ONNX model runs in float")
     fallback = quant["fallback_layers"]
     if not fallback or result.scheme.runtime != "onnxruntime":
@@ -647,11 +656,14 @@ def _dims_of(sig: InputSignature, args: tuple[Any, ...]) -> dict[str, int]:
     return dims
 
 
-def _wants_tensorrt(spec: JobSpec, run: _Run) -> bool:
-    return "tensorrt" in spec.targets or "tensorrt" in run.deferred
+def _quantization(run: _Run) -> dict[str, Any]:
+    """The manifest's quantization section, which the quantize stage wrote before anything reads it."""
+    assert run.manifest.quantization is not None
+    return run.manifest.quantization
 
 
-def _check_targets(loaded: LoadedModel, spec: JobSpec, deferred: Sequence[str] = ()) -> None:
+def _check_targets(loaded: LoadedModel, request: EngineRequest) -> None:
+    spec = request.spec
     if loaded.format == "onnx":
         bad = [t for t in spec.targets if t not in ("onnx", "tensorrt")]
         if bad:
@@ -659,7 +671,7 @@ def _check_targets(loaded: LoadedModel, spec: JobSpec, deferred: Sequence[str] =
                 f"an ONNX model converts only to onnx and tensorrt; it cannot give {', '.join(bad)}",
                 stage="load", field="targets", hint="upload the PyTorch model (.pt2) for torch targets",
             )
-    if "tensorrt" in spec.targets and "tensorrt" not in deferred:
+    if request.builds_tensorrt:
         from fxport.workers.engine.tensorrt.builder import tensorrt_unavailable
 
         why = tensorrt_unavailable()
@@ -695,13 +707,13 @@ def _export_one(target: str, writer: Writer, job: ExportJob, out_dir: Path
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _provenance(manifest: dict[str, Any], spec: JobSpec) -> dict[str, str]:
+def _provenance(manifest: Manifest, spec: JobSpec) -> dict[str, str]:
     """Where an artifact came from, written into it (ONNX metadata_props, archives' extra files).
 
     Only what the artifact is a function of: the same model, spec and toolchain give the same
     bytes in every job (the result cache hands them to later jobs; a redelivered job must
     reproduce them). The job that made them is in its manifest, beside each artifact's sha256."""
-    return {"version": str(manifest["fxport_version"]), "source_sha256": str(manifest["input"]["sha256"]),
+    return {"version": str(manifest.fxport_version), "source_sha256": str(manifest.input.sha256),
             "spec_digest": spec.artifact_digest()}
 
 
@@ -731,15 +743,15 @@ def _write_artifact(target: str, writer: Writer, job: ExportJob, path: Path) -> 
 
 
 def _artifact_records(target: str, path: Path, out_dir: Path, *, int8_scheme: str | None = None
-                      ) -> list[dict[str, Any]]:
+                      ) -> list[ArtifactRecord]:
     if target in REGISTRY:
         files = REGISTRY[target].files(path)
     else:  # the TensorRT engine, written by its own stage
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    scheme = {"int8_scheme": int8_scheme} if int8_scheme else {}
+    scheme = {"int8_scheme": int8_scheme} if int8_scheme else {}  # left out, not null, when there is none
     return [
-        {"format": target, "path": str(f.relative_to(out_dir)), "bytes": f.stat().st_size, "sha256": sha256_file(f)[0],
-         **scheme}
+        ArtifactRecord(format=target, path=str(f.relative_to(out_dir)), bytes=f.stat().st_size,
+                       sha256=sha256_file(f)[0], **scheme)
         for f in files
     ]
 
@@ -800,11 +812,11 @@ def _convert_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpec, out_dir: 
             dest = out_dir / "model.onnx"
             shutil.copyfile(loaded.onnx_path, dest)
             if spec.outputs is not None:
-                run.manifest["warnings"].append("spec.outputs names the outputs of ONNX models fxport exports; an "
+                run.warn("spec.outputs names the outputs of ONNX models fxport exports; an "
                                                 "uploaded ONNX model is copied as it is, with its own names")
-            run.manifest["artifacts"].extend(_artifact_records("onnx", dest, out_dir))
-        run.manifest["capture"] = {"method": "none", "level": "onnx", "attempts": []}
-        if "tensorrt" in run.deferred:
+            run.manifest.artifacts.extend(_artifact_records("onnx", dest, out_dir))
+        run.manifest.capture = CaptureRecord(method="none", level="onnx", attempts=[])
+        if "tensorrt" in run.request.deferred_targets:
             from fxport.workers.engine.tensorrt.stage import preflight_stage
 
             run.emit("export", 0.9, "TensorRT preflight")
@@ -824,7 +836,7 @@ def _benchmark_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpec, out_dir
     sig = signature_from_onnx(onnx.load(str(loaded.onnx_path), load_external_data=False), spec.inputs,
                               spec.dynamic_dims)
     assert spec.benchmark is not None  # the caller runs this stage only with spec.benchmark
-    run.manifest["benchmark"] = measure([OnnxRuntimeRunner(out_dir / "model.onnx", [i.name for i in sig.inputs])],
+    run.manifest.benchmark = measure([OnnxRuntimeRunner(out_dir / "model.onnx", [i.name for i in sig.inputs])],
                                         sig, spec.benchmark, verified={"onnx"}, seed=spec.verify.seed, emit=run.emit)
 
 
@@ -840,7 +852,7 @@ def _build_tensorrt_from_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpe
     assert loaded.onnx_path is not None
     sig = signature_from_onnx(onnx.load(str(loaded.onnx_path), load_external_data=False), spec.inputs,
                               spec.dynamic_dims)
-    run.manifest["inputs"] = {"inputs": [i.model_dump() for i in sig.inputs],
+    run.manifest.inputs = {"inputs": [i.model_dump() for i in sig.inputs],
                               "dynamic_dims": {k: v.model_dump() for k, v in sig.dynamic_dims.items()}}
     engine = build_stage(run.manifest, run.emit, onnx_path=loaded.onnx_path, sig=sig, spec=spec, out_dir=out_dir,
                          # an int8 (Q/DQ) model's reference runs as written: this host CPU's int8 kernels
@@ -848,8 +860,8 @@ def _build_tensorrt_from_onnx_input(run: _Run, loaded: LoadedModel, spec: JobSpe
                          reference=OnnxRuntimeRunner(loaded.onnx_path, [i.name for i in sig.inputs],
                                                      int8_kernels=spec.precision != "int8"),
                          reference_label="onnxruntime on the ONNX model the engine was built from",
-                         points=_sample_points(sig, spec), timing_cache=run.timing_cache)
-    run.manifest["artifacts"].extend(_artifact_records("tensorrt", engine, out_dir,
+                         points=_sample_points(sig, spec), timing_cache=run.request.timing_cache)
+    run.manifest.artifacts.extend(_artifact_records("tensorrt", engine, out_dir,
                                                        int8_scheme="tensorrt" if spec.precision == "int8" else None))
     _benchmark_engine(run, engine, sig, spec)
 
@@ -865,6 +877,6 @@ def _benchmark_engine(run: _Run, engine: Path, sig: InputSignature, spec: JobSpe
 
     run.emit("tensorrt", 0.9, "benchmarking the engine")
     bench = measure([TrtRunner(engine, [i.name for i in sig.inputs])], sig, spec.benchmark,
-                    verified=verified_formats(run.manifest["verification"]), seed=spec.verify.seed)
+                    verified=verified_formats(v.model_dump() for v in run.manifest.verification), seed=spec.verify.seed)
     bench["machine"]["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    run.manifest["benchmark"] = merge(run.manifest.get("benchmark"), bench)
+    run.manifest.benchmark = merge(run.manifest.benchmark, bench)

@@ -34,22 +34,23 @@ def missing_layers(info: dict[str, Any], required: list[str]) -> list[str]:
 def run_request(request_path: str) -> int:
     # Nothing from whoever started us but stdin (/dev/null), stdout and stderr (the job's log).
     os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-    request = json.loads(Path(request_path).read_text())
+    from fxport.workers.sandbox.request import SandboxRequest
+
+    request = SandboxRequest.model_validate_json(Path(request_path).read_bytes())  # the worker's own words
     work = Path(request_path).parent
-    events = os.open(request["events_path"], os.O_WRONLY | os.O_CLOEXEC)
+    events = os.open(request.events_path, os.O_WRONLY | os.O_CLOEXEC)
 
     from fxport.workers.sandbox.confine import apply_limits, confine, inherited_state
 
     started = time.perf_counter()
-    limits = request["limits"]
-    address_space = limits.get("limit_address_space", True)
-    isolated = apply_limits(limits["memory_bytes"], limits["cpu_seconds"], limits["isolate_network"], address_space)
+    limits = request.limits
+    isolated = apply_limits(limits.memory_bytes, limits.cpu_seconds, limits.isolate_network,
+                            request.limit_address_space)
     info = {"network_isolated": isolated,
-            **confine([work, Path(request["out_dir"])], [Path(p) for p in request.get("readable", ())],
-                      gpu=bool(request.get("gpu")))}
+            **confine([work, request.engine.out_dir], request.readable, gpu=request.gpu)}
     problems = inherited_state({0, 1, 2, events})
     info["inherited_state_clean"] = not problems
-    missing = missing_layers(info, list(request.get("require", ())))
+    missing = missing_layers(info, request.require)
     info["setup_ms"] = round((time.perf_counter() - started) * 1000, 2)  # what the layers cost this job
     _report_layers(events, info)
     if problems or missing:
@@ -76,20 +77,11 @@ def run_request(request_path: str) -> int:
         stream.write(json.dumps(event) + "\n")
 
     from fxport.errors import FxportError
-    from fxport.spec import JobSpec
-    from fxport.workers.engine.pipeline import convert
+    from fxport.workers.engine.pipeline import convert_request
 
     try:
-        manifest = convert(
-            Path(request["model_path"]), JobSpec.model_validate(request["spec"]), Path(request["out_dir"]),
-            job_id=request.get("job_id"),
-            calibration_path=Path(request["calibration_path"]) if request.get("calibration_path") else None,
-            on_progress=on_progress,
-            deferred_targets=request.get("deferred_targets") or (),
-            input_sha256=request.get("input_sha256"),
-            report=False,  # drawn by the parent, which may start `dot` (sandbox/run.py)
-            **_timing_cache_paths(request.get("timing_cache")),
-        )
+        # report.html is drawn by the parent, which may start `dot` (sandbox/run.py)
+        manifest = convert_request(request.engine, on_progress=on_progress, report=False)
         result: dict[str, Any] = {"ok": True, "manifest": manifest}
     except FxportError as exc:
         result = {"ok": False, "error": {**exc.to_dict(), "message": str(exc)}}
@@ -111,12 +103,6 @@ def _report_layers(events: int, info: dict[str, Any]) -> None:
 
 def _write_result(work: Path, result: dict[str, Any]) -> None:
     (work / "result.json").write_text(json.dumps(result, default=str))
-
-
-def _timing_cache_paths(cache: dict[str, str] | None) -> dict[str, Path]:
-    if not cache:
-        return {}
-    return {"timing_cache_path": Path(cache["read"]), "timing_cache_out": Path(cache["write"])}
 
 
 if __name__ == "__main__":

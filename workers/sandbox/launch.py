@@ -199,8 +199,9 @@ class WarmSandbox:
             raise RuntimeError("the warm sandbox did not start")
         self.ready = json.loads(ready)
         huge = self.ready.get("huge_pages") or {}
-        log.info("warm sandbox ready (pid %d): %s MiB of its memory moved to huge pages in %s s, %s range(s) refused",
-                 self._proc.pid, huge.get("collapsed_mib", 0), huge.get("seconds", 0), huge.get("refused", 0))
+        log.info("warm sandbox ready (pid %d): %s MiB of its memory on huge pages after %s s of collapsing, "
+                 "%s range(s) refused in whole or part", self._proc.pid, huge.get("huge_mib", 0),
+                 huge.get("seconds", 0), huge.get("refused", 0))
         threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
         return self._proc
 

@@ -18,7 +18,8 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,12 @@ from pydantic import ValidationError
 
 from fxport import errors
 from fxport.manifest import Manifest
-from fxport.spec import JobSpec
+from fxport.workers.engine.request import EngineRequest, TimingCachePaths
 from fxport.workers.sandbox import beneath, layers
 from fxport.workers.sandbox import launch as launcher
 from fxport.workers.sandbox.confine import MAX_FILE_BYTES
 from fxport.workers.sandbox.events import EventPump
+from fxport.workers.sandbox.request import SandboxLimits, SandboxRequest
 
 log = logging.getLogger("fxport.workers.sandbox")
 
@@ -73,56 +75,46 @@ def readable_inputs(model_path: Path, calibration_path: Path | None, timing_cach
 
 
 def run_engine_job(
-    model_path: Path,
-    spec: JobSpec,
-    out_dir: Path,
+    request: EngineRequest,
     *,
-    job_id: str,
-    calibration_path: Path | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
-    timeout_s: float | None = None,
     isolate_network: bool = True,
     cancel_event: threading.Event | None = None,
-    deferred_targets: Sequence[str] = (),
-    timing_cache_path: Path | None = None,
-    input_sha256: str | None = None,
     work_parent: Path | None = None,
     warm: bool | None = None,
 ) -> dict[str, Any]:
-    """Run `engine.convert` in a sandboxed child. Returns the manifest; raises FxportError.
+    """Run the engine on `request` in a sandboxed child. Returns the manifest; raises FxportError.
 
-    `out_dir` gets the artifacts, manifest.json and report.html. `work_parent`: where the
-    child's private folder goes (the job's own folder on a worker; the system temp dir by
-    default). Setting `cancel_event` kills the child at once and raises JobCancelled.
-    `deferred_targets` and `timing_cache_path` go to convert; the child reads the timing cache
-    there and, after a TensorRT build, the merged cache is left at the same path. `warm`:
-    fork from the warm zygote (default: FXPORT_SANDBOX_MODE) or start a fresh interpreter."""
+    `request.out_dir` gets the artifacts, manifest.json and report.html; the child has
+    `request.timeout` seconds of wall clock and `request.memory_bytes` of address space.
+    `work_parent`: where the child's private folder goes (the job's own folder on a worker; the
+    system temp dir by default). Setting `cancel_event` kills the child at once and raises
+    JobCancelled. After a TensorRT build the merged timing cache is left at
+    `request.timing_cache.read`. `warm`: fork from the warm zygote (default: FXPORT_SANDBOX_MODE)
+    or start a fresh interpreter."""
+    out_dir = request.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     launcher.hide_parent_environment()
-    timeout = float(timeout_s or spec.limits.timeout_s)
-    memory = spec.limits.memory_mb << 20
-    builds_engine = "tensorrt" in spec.targets and "tensorrt" not in deferred_targets
+    timeout, memory = request.timeout, request.memory_bytes
+    job_id = request.job_id or f"local-{uuid.uuid4().hex[:12]}"  # the key kill_job finds the child by
+    timing_cache = request.timing_cache.read if request.timing_cache is not None else None
     work = Path(tempfile.mkdtemp(prefix="fxport-sandbox-", dir=work_parent))  # 0700, this job's alone
     try:
         (work / "tmp").mkdir()
         events_path = work / "events"
         os.mkfifo(events_path, 0o600)
-        cache_out = out_dir.resolve() / TIMING_CACHE_OUT if timing_cache_path is not None else None
-        request = {
-            "model_path": str(model_path.resolve()), "spec": spec.normalized(), "out_dir": str(out_dir.resolve()),
-            "job_id": job_id, "calibration_path": str(calibration_path.resolve()) if calibration_path else None,
-            "limits": {"memory_bytes": memory, "cpu_seconds": int(timeout) + 1, "isolate_network": isolate_network,
-                       "limit_address_space": not builds_engine},
-            "events_path": str(events_path),
-            "deferred_targets": list(deferred_targets),
-            "input_sha256": input_sha256,
-            "timing_cache": ({"read": str(timing_cache_path.resolve()), "write": str(cache_out)}
-                             if cache_out is not None and timing_cache_path is not None else None),
-            "readable": [str(p) for p in readable_inputs(model_path, calibration_path, timing_cache_path)],
-            "require": required_layers(),
-            "gpu": builds_engine,
-        }
-        (work / "request.json").write_text(json.dumps(request))
+        engine = request.resolved()
+        if timing_cache is not None:  # the child may write only to its folders: the merged cache goes to out_dir
+            engine = engine.model_copy(update={"timing_cache": TimingCachePaths(
+                read=timing_cache.resolve(), write=out_dir.resolve() / TIMING_CACHE_OUT)})
+        sandbox_request = SandboxRequest(
+            engine=engine,
+            limits=SandboxLimits(memory_bytes=memory, cpu_seconds=int(timeout) + 1, isolate_network=isolate_network),
+            events_path=events_path,
+            readable=readable_inputs(request.model_path, request.calibration_path, timing_cache),
+            require=required_layers(),
+        )
+        (work / "request.json").write_text(sandbox_request.model_dump_json())
         child = _Child(job_id, work, on_progress, warm)
         try:
             rc = child.run(launcher.scrubbed_env(work), timeout, cancel_event)
@@ -131,8 +123,8 @@ def run_engine_job(
         finally:
             box = child.sandbox_record()
             layers.log_layers(job_id, box)
-        if cache_out is not None and timing_cache_path is not None:
-            _take_timing_cache(out_dir, timing_cache_path, keep=bool(result.get("ok")))
+        if timing_cache is not None:
+            _take_timing_cache(out_dir, timing_cache, keep=bool(result.get("ok")))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not result.get("ok"):

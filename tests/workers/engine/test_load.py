@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from fxport.errors import UnsupportedModelFormat
-from fxport.workers.engine.load import detect_format, load_model
+from fxport.workers.engine.load import (
+    ACCEPTED,
+    ACCEPTED_TEXT,
+    FORMAT_NAMES,
+    FORMATS,
+    detect_format,
+    input_format,
+    load_model,
+)
 from tests.models import get
 from tests.workers.engine.conftest import save_package, save_pt2, save_torchscript
 
@@ -81,3 +89,20 @@ def test_unrelated_zip_is_rejected(tmp_path: Path) -> None:
         zf.writestr("readme.txt", "hello")
     with pytest.raises(UnsupportedModelFormat, match="zip archive but not one fxport reads"):
         detect_format(path)
+
+
+def test_registry_is_the_one_source(files: dict[str, Path]) -> None:
+    # names unique, every description in the rejection text, each entry has exactly one check
+    assert len(set(FORMAT_NAMES)) == len(FORMATS)
+    assert ACCEPTED == tuple(f.accepted for f in FORMATS)
+    for fmt in FORMATS:
+        assert fmt.accepted in ACCEPTED_TEXT
+        assert (fmt.zip_entries is None) != (fmt.sniff is None), fmt.name
+        assert input_format(fmt.name) is fmt
+    # the tests build one file per registered format, and each round-trips detect -> load
+    assert set(files) == set(FORMAT_NAMES)
+    for name, path in files.items():
+        assert detect_format(path) == name
+        assert load_model(path).format == name
+    with pytest.raises(KeyError):
+        input_format("keras")

@@ -44,9 +44,9 @@ def _write(out_dir: Path, name: str, data: bytes, fmt: str) -> dict:
 
 
 def cpu_engine(calls: list):
-    def engine(model_path, spec, out_dir, *, job_id, calibration_path=None, on_progress=None, timeout_s=None,
-               deferred_targets=()):
-        calls.append({"targets": list(spec.targets), "deferred": tuple(deferred_targets)})
+    def engine(request, **_):
+        out_dir = request.out_dir
+        calls.append({"targets": list(request.spec.targets), "deferred": request.deferred_targets})
         manifest = {"artifacts": [_write(out_dir, "model.onnx", b"onnx bytes", "onnx")],
                     "verification": [{"format": "onnx", "passed": True}], "inputs": SIG, "warnings": [],
                     "tensorrt": {"preflight": {"ok": True, "errors": []}}, "toolchain": {"torch": "2.13.0"}}
@@ -94,7 +94,8 @@ def test_gpu_stage_gets_the_signature_and_the_shared_cache_and_publishes_it(ctx,
     execute_job(rec.id, ctx)
     seen: dict = {}
 
-    def gpu_engine(model_path, spec, out_dir, *, job_id, on_progress=None, timeout_s=None, timing_cache_path=None):
+    def gpu_engine(request, **_):
+        spec, out_dir, timing_cache_path = request.spec, request.out_dir, request.timing_cache.read
         seen.update(targets=spec.targets, inputs=[i.model_dump() for i in spec.inputs],
                     dims={k: v.model_dump() for k, v in spec.dynamic_dims.items()},
                     cache_in=timing_cache_path.read_bytes() if timing_cache_path.exists() else None)
@@ -138,7 +139,8 @@ def test_a_failed_gpu_stage_keeps_the_cpu_manifest_and_adds_its_error(ctx, tmp_p
     rec = submit(ctx, {"targets": ["tensorrt"]})
     execute_job(rec.id, ctx)
 
-    def failing(model_path, spec, out_dir, **kw):
+    def failing(request, **_):
+        out_dir = request.out_dir
         err = ConversionFailed("TensorRT's ONNX parser rejected the model: node 'n7' (op Foo): unsupported",
                                stage="tensorrt")
         (out_dir / "manifest.json").write_text(json.dumps({"status": "failed", "error": err.to_dict(),
@@ -156,8 +158,8 @@ def test_a_failed_gpu_stage_keeps_the_cpu_manifest_and_adds_its_error(ctx, tmp_p
 def test_gpu_stage_builds_from_the_tensorrt_onnx_when_int8_made_one_for_each_runtime(ctx, tmp_path):
     """int8 with a CPU target and tensorrt: model.onnx is onnxruntime's (uint8 activations), and the engine
     must come from model.tensorrt.onnx (symmetric int8), the one TensorRT takes."""
-    def cpu_int8_engine(model_path, spec, out_dir, *, job_id, calibration_path=None, on_progress=None,
-                        timeout_s=None, deferred_targets=()):
+    def cpu_int8_engine(request, **_):
+        out_dir = request.out_dir
         arts = [_write(out_dir, "model.onnx", b"uint8 activations", "onnx"),
                 _write(out_dir, "model.tensorrt.onnx", b"symmetric int8", "onnx_tensorrt")]
         manifest = {"artifacts": arts, "verification": [{"format": "onnx", "passed": True}], "inputs": SIG,
@@ -167,8 +169,9 @@ def test_gpu_stage_builds_from_the_tensorrt_onnx_when_int8_made_one_for_each_run
 
     seen: dict = {}
 
-    def gpu_engine(model_path, spec, out_dir, *, job_id, on_progress=None, timeout_s=None, timing_cache_path=None):
-        seen["bytes"] = Path(model_path).read_bytes()
+    def gpu_engine(request, **_):
+        out_dir = request.out_dir
+        seen["bytes"] = request.model_path.read_bytes()
         art = _write(out_dir, "model.engine", b"engine", "tensorrt")
         manifest = {"artifacts": [art], "verification": [{"format": "tensorrt", "passed": True}], "warnings": []}
         (out_dir / "manifest.json").write_text(json.dumps(manifest))
@@ -190,9 +193,8 @@ def test_the_cpu_stage_keeps_the_int8_schemes_the_job_asked_for(ctx, targets, ru
     get TensorRT's scheme only, and onnx with tensorrt both (the engine's ONNX from the deferred target)."""
     seen: list = []
 
-    def engine(model_path, spec, out_dir, *, job_id, calibration_path=None, on_progress=None, timeout_s=None,
-               deferred_targets=()):
-        seen.append(spec.int8_runtimes(also_targets=deferred_targets))
+    def engine(request, **_):
+        seen.append(request.spec.int8_runtimes(also_targets=request.deferred_targets))
         raise ConversionFailed("stop here", stage="load")
 
     ctx.engine = engine

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from fxport.errors import ConversionFailed, VerificationFailed
+from fxport.manifest import Manifest, VerificationRecord
 from fxport.spec import JobSpec, VerifyOptions
+from fxport.workers.engine.request import TimingCachePaths
 from fxport.workers.engine.tensorrt.preflight import PreflightReport, check_preflight, preflight_onnx
 
 Emit = Callable[[str, float, str], None]
@@ -48,22 +50,22 @@ def trt_tolerances(spec: JobSpec) -> Any:
     return Tolerances(spec.precision, opts)
 
 
-def preflight_stage(manifest: dict[str, Any], onnx_path: Path, precision: str) -> PreflightReport:
-    """Check the ONNX model against TensorRT's parser; findings into manifest["tensorrt"]["preflight"].
+def preflight_stage(manifest: Manifest, onnx_path: Path, precision: str) -> PreflightReport:
+    """Check the ONNX model against TensorRT's parser; findings into manifest.tensorrt["preflight"].
     Raises ConversionFailed naming the nodes when TensorRT would reject the model."""
     report = preflight_onnx(onnx_path, precision=precision)
-    manifest.setdefault("tensorrt", {})["preflight"] = report.as_dict()
-    manifest.setdefault("warnings", []).extend(f"tensorrt preflight: {f.describe()}" for f in report.warnings)
+    manifest.tensorrt = {**(manifest.tensorrt or {}), "preflight": report.as_dict()}
+    manifest.warnings.extend(f"tensorrt preflight: {f.describe()}" for f in report.warnings)
     check_preflight(report)
     return report
 
 
-def build_stage(manifest: dict[str, Any], emit: Emit, *, onnx_path: Path, sig: Any, spec: JobSpec, out_dir: Path,
+def build_stage(manifest: Manifest, emit: Emit, *, onnx_path: Path, sig: Any, spec: JobSpec, out_dir: Path,
                 reference: Any, reference_label: str, points: list[Any],
-                timing_cache: tuple[Path | None, Path | None] = (None, None)) -> Path:
+                timing_cache: TimingCachePaths | None = None) -> Path:
     """Preflight, build out_dir/model.engine, record its metadata, verify it. Returns the engine's path.
 
-    `timing_cache` = (file to read, file to write the merged cache to), used when
+    `timing_cache`: the file to read and the file to write the merged cache to, used when
     spec.tensorrt.timing_cache is "shared"."""
     import onnx
 
@@ -83,7 +85,6 @@ def build_stage(manifest: dict[str, Any], emit: Emit, *, onnx_path: Path, sig: A
     from fxport.workers.engine.verify.comparator import verify_artifacts
     from fxport.workers.engine.verify.precision import PrecisionComparison
 
-    section = manifest.setdefault("tensorrt", {})
     emit("tensorrt", 0.0, "preflight")
     preflight_stage(manifest, onnx_path, spec.precision)
     why = tensorrt_unavailable()
@@ -98,21 +99,24 @@ def build_stage(manifest: dict[str, Any], emit: Emit, *, onnx_path: Path, sig: A
                           builder_flags={n for n in dir(trt.BuilderFlag) if n.isupper()},
                           tensorrt_version=str(trt.__version__))
     profiles = build_profiles(sig.inputs, sig.dynamic_dims)
-    shared = spec.tensorrt.timing_cache == "shared"
+    cache = timing_cache if spec.tensorrt.timing_cache == "shared" else None
     emit("tensorrt", 0.1, f"building the {spec.precision} engine")
     engine_bytes = EngineBytesFromNetwork(
         NetworkFromOnnxPath(onnx_path, strongly_typed=plan.strongly_typed), plan=plan,
         workspace_mb=spec.tensorrt.workspace_mb, profiles=profiles,
-        timing_cache=timing_cache[0] if shared else None, timing_cache_out=timing_cache[1] if shared else None,
+        timing_cache=cache.read if cache else None, timing_cache_out=cache.write if cache else None,
     )
     engine_path = SaveEngine(engine_bytes, out_dir / "model.engine")()
     report = engine_bytes.report
-    manifest.setdefault("warnings", []).extend(f"tensorrt: {w}" for w in report.warnings)
+    manifest.warnings.extend(f"tensorrt: {w}" for w in report.warnings)
     loader = EngineFromBytes(engine_path.read_bytes())  # holds the runtime, which must outlive the engine
     engine = loader()
-    section["engine"] = engine_metadata(trt, engine, report=report, profiles=profiles, precision=spec.precision)
-    section["build"] = {"build_s": report.build_s,
-                        "timing_cache": {**report.timing_cache, "mode": spec.tensorrt.timing_cache}}
+    manifest.tensorrt = {
+        **(manifest.tensorrt or {}),
+        "engine": engine_metadata(trt, engine, report=report, profiles=profiles, precision=spec.precision),
+        "build": {"build_s": report.build_s,
+                  "timing_cache": {**report.timing_cache, "mode": spec.tensorrt.timing_cache}},
+    }
     del engine, loader
 
     emit("tensorrt", 0.7, "verifying the engine")
@@ -124,7 +128,7 @@ def build_stage(manifest: dict[str, Any], emit: Emit, *, onnx_path: Path, sig: A
     record.update(precision=spec.precision, reference=reference_label,
                   profile_extremes=[{n: list(s) for n, s in p.point(w).items()}
                                     for p in profiles for w in ("min", "max")])
-    manifest.setdefault("verification", []).append(record)
+    manifest.verification.append(VerificationRecord.model_validate(record))
     emit("tensorrt", 1.0, "done")
     if not record["passed"]:
         what = record.get("error") or f"max_abs_diff={record['max_abs_diff']:.3g} cosine={record['cosine']:.6f}"
@@ -133,6 +137,6 @@ def build_stage(manifest: dict[str, Any], emit: Emit, *, onnx_path: Path, sig: A
                 f"the {spec.precision} TensorRT engine does not match {reference_label} ({tol.describe()}): {what}",
                 stage="tensorrt", hint="inspect manifest.json 'verification' and 'tensorrt'; "
                                        "loosen spec.verify only if the difference is expected")
-        manifest["warnings"].append(f"tensorrt verification mismatch allowed by spec.verify.fail_on_mismatch=false: "
+        manifest.warnings.append(f"tensorrt verification mismatch allowed by spec.verify.fail_on_mismatch=false: "
                                     f"{what}")
     return engine_path
