@@ -278,62 +278,18 @@ def _announce_staged(ctx: WorkerContext, job_id: str, name: str, stored: StoredO
 
 
 def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRecord | None:
-    rec = ctx.jobs.get(job_id)
-    if rec is None:
-        log.warning("job not found; dropping the task")
-        return None
-    if rec.terminal:
-        log.info("job already %s; nothing to do (a replayed task)", rec.state.value)
+    """The CPU part of a job: start an attempt, fetch its inputs, run the engine in the sandbox,
+    upload what it made; then hand the job to the GPU stage or record it SUCCEEDED."""
+    rec, run = _start_attempt(ctx, job_id)
+    if not run or rec is None:
         return rec
-    if rec.state is JobState.QUEUED and rec.stage == "tensorrt" and any(a.name in ENGINE_ONNX for a in rec.artifacts):
-        # A redelivered CPU task whose work was done and handed on: hand on again (same task id), nothing more.
-        if ctx.enqueue_stage is not None:
-            ctx.enqueue_stage("tensorrt", job_id)
-        return rec
-    if rec.attempts >= MAX_ATTEMPTS:
-        return _fail(ctx, job_id, rec.stage, "worker_lost",
-                     f"the job stopped its worker {rec.attempts} times (crash or kill during {rec.stage}); "
-                     "it will not be retried — check the model for excessive memory use")
-    redelivered = rec.attempts > 0
-    rec, changed = ctx.jobs.transition(job_id, state=JobState.RUNNING, stage="load", new_attempt=True,
-                                       worker=ctx.worker_id, message="fetching inputs")
-    if rec is None or not changed:
-        return rec
-    log.info("job started", extra={"attempt": rec.attempts, "worker": ctx.worker_id})
-    current = {"stage": "load"}
     # The CPU part makes every other artifact and the ONNX model the GPU stage builds an engine from.
     spec, deferred = cpu_stage(parse_spec(rec.spec))
-    wants_trt = bool(deferred)
     spec, clamped = clamp_limits(spec, ctx.settings)
     if clamped:
         ctx.jobs.transition(job_id, message="; ".join(clamped))
-
     cancel = _CancelWatch(ctx, job_id)
-    early: list[EarlyUpload] = []  # set once out_dir exists
-    written = {"at": time.monotonic()}
-
-    seen_stages: set[str] = set()
-    said: dict[str, set[str]] = {}
-
-    def on_progress(event: dict[str, Any]) -> None:
-        stage = event.get("stage") or current["stage"]
-        first_of_stage = stage not in seen_stages
-        seen_stages.add(stage)
-        news = _news(said.setdefault(stage, set()), event.get("message") or "")
-        current["stage"] = stage
-        if cancel.event.is_set():
-            return
-        if stage in ("export", "verify") and early and ctx.settings.early_upload:  # go up while the engine works on
-            early[0].offer()
-        # A stage's first event and its first few distinct messages (each export target, which come
-        # milliseconds apart) are recorded at once; the rest at most every PROGRESS_EVERY_S, so a
-        # model that floods its events (the sandbox checks and bounds each one) costs the job store
-        # a few writes a second, whatever it sends (each update rewrites the whole record).
-        if not (first_of_stage or news) and time.monotonic() - written["at"] < PROGRESS_EVERY_S:
-            return
-        written["at"] = time.monotonic()
-        ctx.jobs.transition(job_id, stage=stage, progress=event.get("progress"), message=event.get("message"))
-
+    progress = _JobProgress(ctx, job_id, cancel.event)
     work_parent = ctx.settings.work_dir
     if work_parent:
         Path(work_parent).mkdir(parents=True, exist_ok=True)
@@ -341,74 +297,143 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         tmp = Path(tmp_str)
         out_dir = tmp / "out"
         out_dir.mkdir()
-        early.append(EarlyUpload(ctx.artifacts, rec.tenant, rec.id, out_dir, tmp / "spool",
-                                 on_stored=lambda name, stored: _announce_staged(ctx, job_id, name, stored)))
-        manifest: dict[str, Any] | None = None
+        progress.early = early = EarlyUpload(ctx.artifacts, rec.tenant, rec.id, out_dir, tmp / "spool",
+                                             on_stored=lambda name, stored: _announce_staged(ctx, job_id, name, stored))
         try:
-            if redelivered:
+            if rec.attempts > 1:  # redelivered: what an earlier attempt stored goes first
                 ctx.artifacts.delete_prefix(job_prefix(rec.tenant, rec.id))
-            model_path = tmp / "input" / f"model{_suffix(rec.model.filename)}"
-            fetch_input(ctx, rec.model, model_path, "model")
-            calibration_path = None
-            if rec.calibration is not None:
-                calibration_path = tmp / "input" / f"calibration{_suffix(rec.calibration.filename)}"
-                fetch_input(ctx, rec.calibration, calibration_path, "calibration")
+            model_path, calibration_path = _fetch_inputs(ctx, rec, tmp / "input")
             request = EngineRequest(
                 model_path=model_path, spec=spec, out_dir=out_dir, job_id=job_id, calibration_path=calibration_path,
                 deferred_targets=deferred, input_sha256=rec.model.sha256,  # `get` just checked the bytes against it
                 timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s))
             manifest = ctx.run_engine(
-                request, on_progress=on_progress, cancel_event=cancel.event,
+                request, on_progress=progress, cancel_event=cancel.event,
                 work_parent=tmp,  # the sandbox's folder beside this job's own, apart from every other job's
             )
             if cancel.event.is_set():
-                raise JobCancelled("cancelled by request", stage=current["stage"])
-            current["stage"] = "upload"
+                raise JobCancelled("cancelled by request", stage=progress.stage)
+            progress.stage = "upload"
             ctx.jobs.transition(job_id, stage="upload", message="uploading artifacts")
-            artifacts = upload_outputs(ctx, rec, out_dir, manifest, early=early[0].wait())
+            artifacts = upload_outputs(ctx, rec, out_dir, manifest, early=early.wait())
         except StorageError as exc:
-            early[0].abandon()
+            early.abandon()
             if _was_cancelled(ctx, job_id, cancel):
                 return _cancelled_cleanup(ctx, rec)
             if not final_attempt:
                 log.warning("store failure; the job will be retried: %s", exc)
                 raise RetryLater(str(exc)) from exc
-            return _fail(ctx, job_id, current["stage"], exc.code, f"object store failure: {exc}")
+            return _fail(ctx, job_id, progress.stage, exc.code, f"object store failure: {exc}")
         except Exception as exc:  # every failure ends as a FAILED record naming its stage
-            early[0].abandon()
+            early.abandon()
             if ctx.stopping.is_set():
                 log.info("job interrupted by shutdown; it will re-run on the next start")
                 return ctx.jobs.get(job_id)
             # A cancel kills the sandbox (or Celery interrupts the task): that error is not a failure.
             if isinstance(exc, JobCancelled) or _was_cancelled(ctx, job_id, cancel):
                 return _cancelled_cleanup(ctx, rec)
-            return _failure_from(ctx, rec, exc, current["stage"], out_dir)
-
+            return _failure_from(ctx, rec, exc, progress.stage, out_dir)
     # A model built from its eager form (no graph could be captured) has no ONNX graph to build an
     # engine from: the CPU stage already recorded tensorrt among its failed targets.
-    if wants_trt and "tensorrt" in {f.get("target") for f in (manifest or {}).get("failed_targets", [])}:
-        wants_trt = False
-    if wants_trt:
-        # Back to QUEUED until a GPU worker takes the tensorrt stage; the record says whether one exists.
-        from fxport.workers.queue_consumers import waiting_message
+    not_built = {f.get("target") for f in (manifest or {}).get("failed_targets", [])}
+    if deferred and "tensorrt" not in not_built:
+        return _hand_to_gpu_stage(ctx, rec, artifacts)
+    return _succeed(ctx, rec, artifacts)
 
-        waiting = waiting_message("gpu", ctx.gpu_workers() if ctx.gpu_workers is not None else None)
-        rec, changed = ctx.jobs.transition(job_id, state=JobState.QUEUED, stage="tensorrt", artifacts=artifacts,
-                                           message=waiting)
-        if changed and ctx.enqueue_stage is not None:
+
+def _start_attempt(ctx: WorkerContext, job_id: str) -> tuple[JobRecord | None, bool]:
+    """The job's record and whether this task runs it: not for a job gone or finished, nor for a
+    redelivered task whose work was handed on already, nor past MAX_ATTEMPTS (then FAILED)."""
+    rec = ctx.jobs.get(job_id)
+    if rec is None:
+        log.warning("job not found; dropping the task")
+        return None, False
+    if rec.terminal:
+        log.info("job already %s; nothing to do (a replayed task)", rec.state.value)
+        return rec, False
+    if rec.state is JobState.QUEUED and rec.stage == "tensorrt" and any(a.name in ENGINE_ONNX for a in rec.artifacts):
+        # A redelivered CPU task whose work was done and handed on: hand on again (same task id), nothing more.
+        if ctx.enqueue_stage is not None:
             ctx.enqueue_stage("tensorrt", job_id)
-        elif changed:
-            return _fail(ctx, job_id, "tensorrt", "no_gpu_queue", "no GPU stage is configured for TensorRT")
-        return rec
+        return rec, False
+    if rec.attempts >= MAX_ATTEMPTS:
+        return _fail(ctx, job_id, rec.stage, "worker_lost",
+                     f"the job stopped its worker {rec.attempts} times (crash or kill during {rec.stage}); "
+                     "it will not be retried — check the model for excessive memory use"), False
+    rec, changed = ctx.jobs.transition(job_id, state=JobState.RUNNING, stage="load", new_attempt=True,
+                                       worker=ctx.worker_id, message="fetching inputs")
+    if rec is None or not changed:
+        return rec, False
+    log.info("job started", extra={"attempt": rec.attempts, "worker": ctx.worker_id})
+    return rec, True
+
+
+class _JobProgress:
+    """The engine's progress events onto the job's record (and the cue for early uploads).
+
+    A stage's first event and its first few distinct messages (each export target, which come
+    milliseconds apart) are recorded at once; the rest at most every PROGRESS_EVERY_S, so a model
+    that floods its events (the sandbox checks and bounds each one) costs the job store a few
+    writes a second, whatever it sends (each update rewrites the whole record)."""
+
+    def __init__(self, ctx: WorkerContext, job_id: str, cancelled: threading.Event) -> None:
+        self.ctx, self.job_id, self.cancelled = ctx, job_id, cancelled
+        self.stage = "load"  # the stage a failure is recorded in
+        self.early: EarlyUpload | None = None
+        self._written_at = time.monotonic()
+        self._said: dict[str, set[str]] = {}
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        stage = event.get("stage") or self.stage
+        first_of_stage = stage not in self._said
+        news = _news(self._said.setdefault(stage, set()), event.get("message") or "")
+        self.stage = stage
+        if self.cancelled.is_set():
+            return
+        if stage in ("export", "verify") and self.early is not None and self.ctx.settings.early_upload:
+            self.early.offer()  # go up while the engine works on
+        if not (first_of_stage or news) and time.monotonic() - self._written_at < PROGRESS_EVERY_S:
+            return
+        self._written_at = time.monotonic()
+        self.ctx.jobs.transition(self.job_id, stage=stage, progress=event.get("progress"),
+                                 message=event.get("message"))
+
+
+def _fetch_inputs(ctx: WorkerContext, rec: JobRecord, folder: Path) -> tuple[Path, Path | None]:
+    """The job's model (and calibration data) from the store into `folder`, each checked against its sha256."""
+    model_path = folder / f"model{_suffix(rec.model.filename)}"
+    fetch_input(ctx, rec.model, model_path, "model")
+    if rec.calibration is None:
+        return model_path, None
+    calibration_path = folder / f"calibration{_suffix(rec.calibration.filename)}"
+    fetch_input(ctx, rec.calibration, calibration_path, "calibration")
+    return model_path, calibration_path
+
+
+def _hand_to_gpu_stage(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord]) -> JobRecord | None:
+    """Back to QUEUED until a GPU worker takes the tensorrt stage; the record says whether one exists."""
+    from fxport.workers.queue_consumers import waiting_message
+
+    waiting = waiting_message("gpu", ctx.gpu_workers() if ctx.gpu_workers is not None else None)
+    after, changed = ctx.jobs.transition(rec.id, state=JobState.QUEUED, stage="tensorrt", artifacts=artifacts,
+                                         message=waiting)
+    if changed and ctx.enqueue_stage is not None:
+        ctx.enqueue_stage("tensorrt", rec.id)
+    elif changed:
+        return _fail(ctx, rec.id, "tensorrt", "no_gpu_queue", "no GPU stage is configured for TensorRT")
+    return after
+
+
+def _succeed(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord]) -> JobRecord | None:
     # The cache entry goes first: a client told SUCCEEDED may resubmit at once and must hit.
     cached = _remember(ctx, rec, artifacts, local_toolchain())
-    rec, changed = ctx.jobs.transition(job_id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
+    after, changed = ctx.jobs.transition(rec.id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
     if not changed:
         forget_job_result(ctx.artifacts, cached)
-    if not changed and rec is not None and rec.state is JobState.CANCELLED:
-        return _cancelled_cleanup(ctx, rec)
+    if not changed and after is not None and after.state is JobState.CANCELLED:
+        return _cancelled_cleanup(ctx, after)
     log.info("job succeeded", extra={"artifacts": len(artifacts)})
-    return rec
+    return after
 
 
 def _remember(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord],
