@@ -1,11 +1,15 @@
 """Engine benchmark (issue 2): ResNet-18-style model — time per stage, and inference latency of
-eager vs fused eager (fuse_conv_bn applied) vs ONNX Runtime, measured side by side in one run.
+eager vs fused eager (fuse_conv_bn applied) vs ONNX Runtime, measured side by side in one run;
+and (issue 24) one verified conversion by fxport — the `fxport convert` CLI cold, and a warm
+worker — vs a bare hand-written export script, alternated round robin (bench/_speed.py).
 
-    python bench/bench_engine.py            # writes the "engine" section of docs/benchmarks.md
+    python bench/bench_engine.py            # writes the "engine" and "engine-speed" sections of docs/benchmarks.md
+    python bench/bench_engine.py --speed-only --rounds 3 [--no-write]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -19,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._report import machine, write_section  # noqa: E402
+from bench._speed import speed_section  # noqa: E402
 from fxport.spec import parse_spec  # noqa: E402
 from fxport.workers.engine.pipeline import convert  # noqa: E402
 from tests.models import get  # noqa: E402
@@ -39,8 +44,7 @@ def latency_ms(fns: dict, args, runs: int = 30) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def main() -> None:
-    warnings.simplefilter("ignore")
+def engine_section() -> str:
     case = get("resnet18")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -86,8 +90,25 @@ def main() -> None:
         f"| eager, fused graph (.pt2 module) | {fused_ms:.1f} | {fused_ms / eager_ms:.2f} |",
         f"| ONNX Runtime (CPU EP) | {ort_ms:.1f} | {ort_ms / eager_ms:.2f} |",
     ]
-    write_section("engine", "\n".join(lines))
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed side-by-side (best of each is reported)")
+    ap.add_argument("--speed-only", action="store_true", help="run only the speed side-by-side (issue 24)")
+    ap.add_argument("--no-write", action="store_true", help="print, but do not touch docs/benchmarks.md")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    if not args.speed_only:
+        md = engine_section()
+        print(md)
+        if not args.no_write:
+            write_section("engine", md)
+    md = speed_section(args.rounds, machine())
+    print(md)
+    if not args.no_write:
+        write_section("engine-speed", md)
 
 
 if __name__ == "__main__":

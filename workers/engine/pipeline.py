@@ -302,11 +302,12 @@ def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: I
             targets.append(TENSORRT_ONNX)  # int8 for TensorRT is its own ONNX (symmetric), beside model.onnx
         extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
         provenance = _provenance(manifest, spec)
+        programs: dict[int, Any] = {}  # each graph's torch.export program, made once for every target
         for i, target in enumerate(targets):
             run.emit("export", i / max(len(targets), 1), target)
             job = ExportJob(graph=reduced.graph_for(target) if reduced else gm, module=loaded.module,
                             example=example, sig=sig, spec=spec, extremes=extremes, precision=spec.precision,
-                            provenance=provenance)
+                            provenance=provenance, programs=programs)
             written[target], note, interface = _export_one(target, REGISTRY[target].from_graph, job, out_dir)
             if interface is not None:
                 manifest.outputs = interface["outputs"]

@@ -36,3 +36,26 @@ def test_each_runner_is_made_for_its_own_format(name: str, tmp_path: Path):
     sig = InputSignature(inputs=[InputSpec(name="x", shape=[1, 4])], dynamic_dims={})
     runner = REGISTRY[name].runner(tmp_path / REGISTRY[name].path, sig)  # made, not activated: no file needed
     assert runner.name == name
+
+
+def test_the_pt2_and_the_onnx_model_share_one_torch_export_of_the_graph(tmp_path: Path, tiny_pt2: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No work twice: the graph is torch.export-ed once for both targets that need a program, and
+    both artifacts still verify."""
+    from fxport.spec import parse_spec
+    from fxport.workers.engine.pipeline import convert
+
+    import torch
+
+    calls = []
+    real = torch.export.export
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted)  # what the ONNX exporter calls on a module, too
+    manifest = convert(tiny_pt2, parse_spec({"targets": ["onnx", "exported_program"], "verify": {"samples": 1}}),
+                       tmp_path / "out", report=False)
+    assert len(calls) == 1
+    assert {v["format"]: v["passed"] for v in manifest["verification"]} == {"onnx": True, "exported_program": True}

@@ -12,7 +12,7 @@ import contextlib
 import io
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class OnnxFromGraphModule:
         dynamic_axes: dict[str, dict[int, str]] | None = None,
         trace_checks: Sequence[tuple[Any, ...]] = (),
         trace_fallback: Any = None,
+        program: Callable[[], torch.export.ExportedProgram] | None = None,
     ) -> None:
         self.gm, self.example_inputs = gm, example_inputs
         self.input_names, self.dynamic_shapes = input_names, dynamic_shapes
@@ -44,6 +45,8 @@ class OnnxFromGraphModule:
         # below opset 18 only: the dynamic dims by input, and what the trace must run at (see torchscript.py)
         self.dynamic_axes, self.trace_checks = dynamic_axes or {}, list(trace_checks)
         self.trace_fallback = trace_fallback
+        # the graph's torch.export program when another exporter shares it (ExportJob.program)
+        self.program = program
         self.note = ""
 
     def __call__(self, path: Path) -> Path:
@@ -55,11 +58,17 @@ class OnnxFromGraphModule:
         # the exporter logs a warning per missing torchvision op; not the user's concern
         logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
         log = io.StringIO()
+        model: Any = self.gm
+        if self.program is not None:
+            try:  # the .pt2's program, exported once; the exporter's own ways are left for when it fails
+                model = self.program()
+            except Exception:
+                model = self.gm
         try:
             with warnings.catch_warnings(), contextlib.redirect_stdout(log):
                 warnings.simplefilter("ignore")
                 torch.onnx.export(
-                    self.gm,
+                    model,
                     self.example_inputs,
                     str(path),
                     dynamo=True,

@@ -40,6 +40,18 @@ class ExportJob:
     extremes: list[tuple[Any, ...]]
     precision: str
     provenance: dict[str, str] = field(default_factory=dict)
+    # torch.export programs of the graphs, shared by every ExportJob of one export stage: the .pt2
+    # and the ONNX model (opset 18 and up) are both made from one, exported once (id(graph) → program)
+    programs: dict[int, Any] = field(default_factory=dict)
+
+    def program(self) -> Any:
+        """torch.export of `graph` with the spec's dynamic dims, made on first use and then shared."""
+        key = id(self.graph)
+        if key not in self.programs:
+            from fxport.workers.engine.exporters.exported_program import export_graph
+
+            self.programs[key] = export_graph(self.graph, self.example, self.sig.dynamic_shapes())
+        return self.programs[key]
 
     def extra_files(self) -> dict[str, str]:
         from fxport.workers.engine.exporters.interface import provenance_extra_files
@@ -94,7 +106,7 @@ def _exported_program(job: ExportJob, path: Path) -> tuple[Path, str]:
     qdq_import = QDQ_IMPORT.split("  #")[0]
     note = f"load it after `{qdq_import}`: its Q/DQ ops live there" if job.precision == "int8" else ""
     exporter = ExportedProgramFromGraphModule(job.graph, job.example, job.sig.dynamic_shapes(),
-                                              extra_files=job.extra_files())
+                                              extra_files=job.extra_files(), program=job.program)
     return exporter(path), note
 
 
@@ -113,6 +125,7 @@ def _onnx(job: ExportJob, path: Path) -> tuple[Path, str]:
         job.graph, job.example, input_names=[i.name for i in sig.inputs], dynamic_shapes=sig.dynamic_shapes(),
         opset=spec.onnx.opset, single_file=spec.onnx.single_file, dynamic_axes=_dynamic_axes(sig),
         trace_checks=job.extremes, trace_fallback=job.module if job.precision == "fp32" else None,
+        program=job.program,
     )
     return exporter(path), exporter.note
 
