@@ -446,3 +446,24 @@ def test_the_worker_records_the_layers_not_the_child(iso: IsolationStack, tmp_pa
     log = iso.worker.log.read_text()
     assert f"job {job.id}: sandbox layers: no processes, no sockets, reads confined" in log
     iso.bob_converts()
+
+
+def test_a_forged_manifest_fails_the_job_naming_the_field(iso: IsolationStack, tmp_path: Path):
+    """The child's manifest is read as the type every reader expects: a model that rewrites it
+    (a size that is not a number, a digest that is not a string) fails its own job, naming the
+    field, and nothing it forged reaches the tenant as an artifact."""
+    job = run_probe(iso, "forged_manifest", textwrap.dedent("""
+        import builtins
+        names = ["fxport.workers.sandbox.child"]
+        child = builtins.__import__(names[0], fromlist=["child"])
+        write = child._write_result
+        def forge(work, result):
+            if "manifest" in result:
+                result["manifest"]["artifacts"][0].update(bytes="all of them", sha256=7)
+            write(work, result)
+        child._write_result = forge
+    """))
+    assert job.state == "FAILED" and job.error["code"] == "sandbox_violation", (job.error, iso.logs())
+    assert "the sandbox's manifest is malformed at 'artifacts.0.bytes'" in job.error["message"], job.error
+    assert not any(a["name"].endswith(".onnx") for a in job.artifacts), job.artifacts
+    iso.bob_converts()

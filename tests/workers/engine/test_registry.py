@@ -42,10 +42,10 @@ def test_the_pt2_and_the_onnx_model_share_one_torch_export_of_the_graph(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """No work twice: the graph is torch.export-ed once for both targets that need a program, and
     both artifacts still verify."""
+    import torch
+
     from fxport.spec import parse_spec
     from fxport.workers.engine.pipeline import convert
-
-    import torch
 
     calls = []
     real = torch.export.export
