@@ -145,7 +145,9 @@ class Manifest(_Record):
         """The manifest as JSON data: the fields that were set or differ from their default, then
         unknown keys. A field nobody wrote is left out rather than written as its default, so a
         manifest read and written back is the manifest that was read, whatever version wrote it."""
-        return _written(self, self.model_dump(mode="json"))
+        # through json with a fallback, not model_dump(mode="json"): the open-ended sections may
+        # hold a numpy scalar or a torch dtype, which must not cost the job its manifest
+        return _written(self, json.loads(json.dumps(self.model_dump(), default=_jsonable)))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
@@ -189,6 +191,17 @@ class Manifest(_Record):
         if stage.status == "failed":
             merged.status, merged.error = "failed", stage.error
         return merged
+
+
+def _jsonable(value: Any) -> Any:
+    """A value JSON has no type for: its Python number (a numpy or torch scalar), else its text."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError, RuntimeError):  # not a scalar
+            pass
+    return str(value)
 
 
 def _written(model: BaseModel, data: dict[str, Any]) -> dict[str, Any]:

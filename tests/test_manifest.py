@@ -109,3 +109,13 @@ def test_the_engine_writes_the_current_schema_through_the_type(tmp_path: Path, t
         assert key in written, key
     assert written["toolchain"]["tensorrt"] is None and written["toolchain"]["python"]  # one reading of versions
     assert Manifest.read(tmp_path / "out" / "manifest.json").to_dict() == written
+
+
+def test_a_value_json_has_no_type_for_is_written_not_lost() -> None:
+    """The open-ended sections (profile, quantization, benchmark) are filled by torch code: a numpy
+    scalar or a torch dtype there is written as its number or its text, never fails the write."""
+    import numpy as np
+    import torch
+
+    m = Manifest(profile={"ms": np.float32(1.5), "dtype": torch.float32, "n": np.int64(3), "path": Path("/x")})
+    assert json.loads(m.to_json())["profile"] == {"ms": 1.5, "dtype": "torch.float32", "n": 3, "path": "/x"}

@@ -38,7 +38,7 @@ from fxport.workers.sandbox.request import SandboxLimits, SandboxRequest
 log = logging.getLogger("fxport.workers.sandbox")
 
 # Where a TensorRT build inside the child leaves the merged timing cache (it may write only to
-# its folders); run_engine_job moves it to the caller's timing_cache_path.
+# its folders); run_engine_job moves it to the request's timing_cache.write.
 TIMING_CACHE_OUT = "tensorrt-timing.cache"
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists nodes and metrics, never weights
 MAX_RESULT_BYTES = MAX_MANIFEST_BYTES + (1 << 20)  # the manifest plus an error
@@ -90,7 +90,7 @@ def run_engine_job(
     `work_parent`: where the child's private folder goes (the job's own folder on a worker; the
     system temp dir by default). Setting `cancel_event` kills the child at once and raises
     JobCancelled. After a TensorRT build the merged timing cache is left at
-    `request.timing_cache.read`. `warm`: fork from the warm zygote (default: FXPORT_SANDBOX_MODE)
+    `request.timing_cache.write`. `warm`: fork from the warm zygote (default: FXPORT_SANDBOX_MODE)
     or start a fresh interpreter."""
     out_dir = request.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -123,8 +123,8 @@ def run_engine_job(
         finally:
             box = child.sandbox_record()
             layers.log_layers(job_id, box)
-        if timing_cache is not None:
-            _take_timing_cache(out_dir, timing_cache, keep=bool(result.get("ok")))
+        if request.timing_cache is not None:
+            _take_timing_cache(out_dir, request.timing_cache.write, keep=bool(result.get("ok")))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not result.get("ok"):
