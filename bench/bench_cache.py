@@ -258,7 +258,7 @@ def _store_traffic_process(conn: Any, bucket: str, endpoint: str) -> None:
     ("model", path, tenant) → PUT through a presigned URL, fetch back, answer the local copy;
     ("job", out, tenant, job_id) → start uploading `out`'s artifacts early and fetching them
     back; ("offer",) → look for new files; ("finish",) → wait for all that, answer the names."""
-    from fxport.client import _put_file
+    from fxport.client.client import _put_file
     from fxport.digest import sha256_file
     from fxport.storage import S3Store, input_key
     from fxport.workers.artifact_upload import EarlyUpload
