@@ -17,7 +17,7 @@ from fxport.spec import VerifyOptions, parse_spec
 from fxport.workers.engine.exporters.eager import TorchScriptFromEagerModule
 from fxport.workers.engine.pipeline import convert
 from fxport.workers.engine.verify.comparator import compare_outputs, plan_outputs
-from tests.client.packaged import package_model
+from tests.client.packaged import UNTRACEABLE, package_model
 
 # torchvision's detection models in miniature: per image, scores → threshold → top-k → greedy NMS
 # (a Python loop) → a data-dependent number of boxes, as List[Dict[str, Tensor]]. symbolic_trace
@@ -133,28 +133,9 @@ def test_a_forced_rung_does_not_fall_back(detector: Path, tmp_path: Path) -> Non
     assert "capture: auto" in str(info.value)
 
 
-BRANCHY = textwrap.dedent('''
-    """A Python branch on a tensor's value: no capture method follows it, a trace keeps one side."""
-    import torch
-    from torch import nn
-
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            y = self.fc(x)
-            if y.sum() > 0:  # decided by the values, in Python
-                return y * 2
-            return y - 1
-''')
-
-
 def test_a_trace_that_kept_one_branch_fails_verification(tmp_path: Path) -> None:
     """ONNX from the eager model is a trace: an input that takes the other branch exposes it."""
-    model = package_model(BRANCHY, "branchy", tmp_path)
+    model = package_model(UNTRACEABLE, "branchy", tmp_path)  # a trace keeps one side of its branch
     spec = {"inputs": [{"name": "x", "shape": [2, 4]}], "targets": ["onnx"], "verify": {"samples": 8}}
     with pytest.raises(VerificationFailed) as info:
         convert(model, parse_spec(spec), tmp_path / "out")
