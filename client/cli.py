@@ -378,6 +378,7 @@ def worker(
 ) -> None:
     """Run a Celery worker for the given queues (needs the \\[worker] extra)."""
     # Flags become environment so the pool's child processes read the same settings.
+    os.environ["FXPORT_WORKER_CONCURRENCY"] = str(concurrency)  # each job's share of the CPUs (sandbox threads)
     if broker:
         os.environ["FXPORT_BROKER_URL"] = broker
     if store:

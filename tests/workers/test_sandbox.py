@@ -270,6 +270,41 @@ def test_thread_budget_follows_a_cgroup_cpu_limit(tmp_path: Path) -> None:
     assert available_cpus(tmp_path / "no-cgroup") == affinity
 
 
+def test_each_job_gets_its_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A worker running two jobs at once gives each half the CPUs it may use, never all of them
+    (two jobs at two threads each on two cores spin in torch's thread pool: 9x slower)."""
+    from fxport.workers.sandbox import launch
+
+    monkeypatch.delenv("FXPORT_SANDBOX_THREADS", raising=False)
+    monkeypatch.setattr(launch, "available_cpus", lambda: 8)
+    for slots, threads in ((None, 8), ("1", 8), ("2", 4), ("3", 2), ("16", 1)):
+        if slots is None:
+            monkeypatch.delenv("FXPORT_WORKER_CONCURRENCY", raising=False)
+        else:
+            monkeypatch.setenv("FXPORT_WORKER_CONCURRENCY", slots)
+        assert launch.job_threads() == threads, slots
+        assert launch.scrubbed_env(tmp_path)["OMP_NUM_THREADS"] == str(threads)
+    monkeypatch.setenv("FXPORT_SANDBOX_THREADS", "3")  # the operator's word wins
+    assert launch.scrubbed_env(tmp_path)["OMP_NUM_THREADS"] == "3"
+
+
+def test_fxport_worker_tells_its_jobs_its_concurrency(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from fxport.client import cli
+
+    seen: dict[str, str | None] = {}
+    monkeypatch.setenv("FXPORT_WORKER_CONCURRENCY", "1")  # the command sets it: restored after the test
+    monkeypatch.setenv("FXPORT_BROKER_URL", "redis://127.0.0.1:1/0")  # never reached: worker_main is the stand-in
+    from fxport.workers.celery_app import app as celery_app
+
+    monkeypatch.setattr(celery_app, "worker_main",
+                        lambda argv: seen.update(env=os.environ.get("FXPORT_WORKER_CONCURRENCY"), argv=" ".join(argv)))
+    result = CliRunner().invoke(cli.app, ["worker", "-c", "3"])
+    assert result.exit_code == 0, result.output
+    assert seen["env"] == "3" and "-c 3" in str(seen["argv"])
+
+
 def test_onnxruntime_sessions_keep_to_the_torch_thread_budget() -> None:
     import torch
 

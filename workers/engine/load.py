@@ -179,6 +179,9 @@ def load_model(path: Path) -> LoadedModel:
 def _load_pt2(path: Path) -> LoadedModel:
     import torch
 
+    from fxport.workers.engine.warm_caches import cache_pt2_type_hints
+
+    cache_pt2_type_hints()
     ep = torch.export.load(str(path))
     example = None
     if ep.example_inputs is not None:

@@ -77,13 +77,26 @@ def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     return max(1, cpus)
 
 
-def scrubbed_env(work: Path | None = None) -> dict[str, str]:
+def job_threads() -> int:
+    """Threads one job's engine may use: FXPORT_SANDBOX_THREADS if set, else this worker's share
+    of the CPUs it may use (`available_cpus` over FXPORT_WORKER_CONCURRENCY, the jobs it runs
+    at once; `fxport worker -c` sets it). Two jobs at two threads each on two cores run
+    slower than at one each: torch's threads spin waiting for a core (ResNet-18: 9x)."""
+    explicit = os.environ.get("FXPORT_SANDBOX_THREADS")
+    if explicit:
+        return max(1, int(explicit))
+    slots = max(1, int(os.environ.get("FXPORT_WORKER_CONCURRENCY") or 1))
+    return max(1, available_cpus() // slots)
+
+
+def scrubbed_env(work: Path | None = None, threads: int | None = None) -> dict[str, str]:
+    """The child's whole environment. `threads`: its torch and onnxruntime threads (default `job_threads()`)."""
     env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", FXPORT_SANDBOX="1", GLIBC_TUNABLES=SANDBOX_MALLOC_TUNABLES,
                # onnxruntime 1.2x keeps a telemetry database open read-write (~/.cache/Microsoft/...)
                # and probes the machine for it: state every child would share with the zygote
                ORT_DISABLE_TELEMETRY="1",
-               OMP_NUM_THREADS=os.environ.get("FXPORT_SANDBOX_THREADS") or str(available_cpus()))
+               OMP_NUM_THREADS=str(threads or job_threads()))
     if work is not None:
         env.update(HOME=str(work), TMPDIR=str(work / "tmp"))
     return env

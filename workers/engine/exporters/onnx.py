@@ -55,6 +55,9 @@ class OnnxFromGraphModule:
             self._export_from_trace(path)
             return self._checked(path)
 
+        from fxport.workers.engine.warm_caches import cache_onnx_registry
+
+        cache_onnx_registry()  # the exporter's op registry, built once per process and opset
         # the exporter logs a warning per missing torchvision op; not the user's concern
         logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
         log = io.StringIO()

@@ -107,6 +107,9 @@ class ExportedProgramRunner(Runner):
         # their library is imported; loading fails without it
         import torch.ao.quantization.fx._decomposed  # noqa: F401
 
+        from fxport.workers.engine.warm_caches import cache_pt2_type_hints
+
+        cache_pt2_type_hints()
         self.module = torch.export.load(str(self.path)).module()
 
     def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:

@@ -1,0 +1,121 @@
+"""Two per-process caches that torch 2.13 does not keep, kept here (issue 24: no work twice).
+
+- The ONNX exporter builds its op registry from onnxscript's torchlib on every export
+  (`ONNXRegistry.from_torchlib`: 505 ops, about 0.5 s each time on a 2-core Xeon, 1.0 s the
+  first time). Built once per opset and copied per export (the copy is the exporter's to add
+  custom ops to), it costs a fraction of a millisecond; the warm zygote builds it before it
+  forks, so a job's child never does.
+- Reading a `.pt2` (`torch.export.load`) resolves the type hints of the serialized schema's
+  dataclasses once per node: ~6,000 `typing.get_type_hints` calls for a ResNet-18, a third of
+  the load. They depend only on the class, so they are resolved once per class.
+
+Both replace a private name of the pinned torch (pyproject: torch==2.13.0). Each installer checks
+that each name is what it was written against and leaves torch alone where it is not: then
+only the speed is lost, never a result.
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+def cache_onnx_registry() -> None:
+    """Install the ONNX op registry cache in this process (once; before an ONNX export)."""
+    _install("ONNX op registry", _cache_onnx_registry)
+
+
+def cache_pt2_type_hints() -> None:
+    """Install the pt2 schema type-hint cache in this process (once; before `torch.export.load`)."""
+    _install("pt2 schema type hints", _cache_type_hints)
+
+
+_tried: set[str] = set()
+
+
+def _install(name: str, patch: Any) -> None:
+    if name in _tried:
+        return
+    _tried.add(name)
+    try:
+        if not patch():
+            log.info("%s cache not installed: this torch's internals differ from 2.13's", name)
+    except Exception as exc:  # a speed-up, never a reason to fail a conversion
+        log.info("%s cache not installed: %s: %s", name, type(exc).__name__, exc)
+
+
+class _RegistryCache:
+    """`ONNXRegistry.from_torchlib` with each opset's registry built once: every call returns a
+    new registry holding a copy of the built one's op table (its lists copied too, so a custom op
+    an export registers stays in that export's registry)."""
+
+    def __init__(self, build: Any) -> None:
+        self.build = build  # the original classmethod's function
+        self.built: dict[Any, Any] = {}
+        self.builds = 0  # how many times the torchlib registry was really built (tests read it)
+
+    def __call__(self, cls: Any, opset_version: Any = None) -> Any:
+        from torch.onnx._internal.exporter import _constants
+
+        opset = _constants.TORCHLIB_OPSET if opset_version is None else opset_version
+        master = self.built.get((cls, opset))
+        if master is None:
+            self.builds += 1
+            master = self.built[(cls, opset)] = self.build(cls, opset)
+        registry = cls.__new__(cls)
+        registry.__dict__.update(master.__dict__)
+        registry.functions = {target: list(metas) for target, metas in master.functions.items()}
+        return registry
+
+
+def _cache_onnx_registry() -> bool:
+    from torch.onnx._internal.exporter import _registration
+
+    registry_cls = _registration.ONNXRegistry
+    current = registry_cls.__dict__.get("from_torchlib")
+    if not isinstance(current, classmethod) or not hasattr(registry_cls(), "functions"):
+        return False
+    registry_cls.from_torchlib = classmethod(_RegistryCache(current.__func__))  # type: ignore[method-assign]
+    return True
+
+
+def registry_cache() -> _RegistryCache | None:
+    """The installed ONNX registry cache, if any."""
+    from torch.onnx._internal.exporter import _registration
+
+    method = _registration.ONNXRegistry.__dict__.get("from_torchlib")
+    func = getattr(method, "__func__", None)
+    return func if isinstance(func, _RegistryCache) else None
+
+
+class _TypingWithCachedHints:
+    """The `typing` module as torch's serializer sees it, with `get_type_hints` remembered per
+    (class, namespace). The hints of a dataclass never change once its module is loaded."""
+
+    def __init__(self) -> None:
+        # (class, id(namespace), extras) -> (the namespace, held so that its id stays its own, hints)
+        self.hints: dict[tuple[Any, int, bool], tuple[Any, dict[str, Any]]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(typing, name)
+
+    def get_type_hints(self, obj: Any, globalns: Any = None, localns: Any = None,
+                       include_extras: bool = False) -> dict[str, Any]:
+        if localns is not None:
+            return typing.get_type_hints(obj, globalns, localns, include_extras)
+        key = (obj, id(globalns), include_extras)
+        known = self.hints.get(key)
+        if known is None:
+            known = self.hints[key] = (globalns, typing.get_type_hints(obj, globalns, None, include_extras))
+        return known[1]
+
+
+def _cache_type_hints() -> bool:
+    from torch._export.serde import serialize
+
+    if getattr(serialize, "typing", None) is not typing or not hasattr(serialize, "_dict_to_dataclass"):
+        return False
+    serialize.typing = _TypingWithCachedHints()  # type: ignore[attr-defined]
+    return True
