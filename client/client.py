@@ -29,7 +29,7 @@ from fxport.client.errors import (
     WaitTimeout,
     from_rpc_error,
 )
-from fxport.digest import sha256_file, write_checked
+from fxport.digest import remembered_sha256, write_checked
 from fxport.errors import InvalidInput
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
@@ -540,8 +540,8 @@ class Client:
         if calib is not None and not calib.is_file():
             raise InvalidInput(f"calibration file {str(calib)!r} not found", field="calibration")
         text = _spec_text(spec)
-        model_sha, model_size = sha256_file(model)
-        calib_sha, calib_size = sha256_file(calib) if calib else ("", 0)
+        model_sha, model_size = remembered_sha256(model)
+        calib_sha, calib_size = remembered_sha256(calib) if calib else ("", 0)
         check = self._call(self._stub.CheckUpload, pb.CheckUploadRequest(
             model_sha256=model_sha, calibration_sha256=calib_sha, spec=text, no_cache=no_cache,
             model_size=model_size, calibration_size=calib_size, direct_upload=self._direct_upload_works is not False))

@@ -73,10 +73,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _run_temp_dir(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The session's temp dir, where its servers keep their files: a mark of its processes."""
+    """The session's temp dir, where its servers keep their files: a mark of its processes. The
+    client's remembered digests (fxport/digest.py) go there too, not to the user's ~/.cache."""
     marks = pytestconfig.stash.get(_MARKS, None)
     if marks is not None:
         marks.basetemp = tmp_path_factory.getbasetemp().resolve()
+    os.environ["FXPORT_DIGEST_CACHE_DIR"] = str(tmp_path_factory.mktemp("digests"))
 
 
 def _close_own_warm_sandbox() -> None:

@@ -105,7 +105,11 @@ def warm_up() -> None:
 
     import torch
 
+    from fxport.workers.engine.warm_caches import cache_onnx_registry, cache_pt2_type_hints
+
     torch.set_num_threads(1)
+    cache_onnx_registry()  # built below once, and inherited by every child
+    cache_pt2_type_hints()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = torch.nn.Sequential(torch.nn.Linear(4, 2)).eval()
