@@ -412,16 +412,26 @@ def upload_counter(port: int) -> float:
     raise RuntimeError("no fxport_upload_bytes_total in /metrics")
 
 
-def resubmit(address: str, model: Path, n: int) -> list[float]:
+def resubmit(address: str, model: Path, n: int, *, remember_digest: bool = True) -> list[float]:
+    """n resubmissions, each timed. `remember_digest=False`: the client hashes the model every
+    time (FXPORT_DIGEST_CACHE=0) instead of reusing the digest of the unchanged file."""
     from fxport.client import Client
 
     times = []
-    with Client(address) as client:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            job = client.submit(model, SPEC)
-            times.append(time.perf_counter() - t0)
-            assert job.message.cache_hit and job.upload["sent_bytes"] == 0, job.to_dict()
+    saved = os.environ.get("FXPORT_DIGEST_CACHE")
+    os.environ["FXPORT_DIGEST_CACHE"] = "1" if remember_digest else "0"
+    try:
+        with Client(address) as client:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                job = client.submit(model, SPEC)
+                times.append(time.perf_counter() - t0)
+                assert job.message.cache_hit and job.upload["sent_bytes"] == 0, job.to_dict()
+    finally:
+        if saved is None:
+            os.environ.pop("FXPORT_DIGEST_CACHE", None)
+        else:
+            os.environ["FXPORT_DIGEST_CACHE"] = saved
     return times
 
 
@@ -614,7 +624,12 @@ def main() -> None:
         print("cache hits …", flush=True)
         hit_model = resnets[-1]
         before = upload_counter(ports[0]) + upload_counter(ports[1])
+        # the client remembers the digest of a file whose status has not changed for RACY_S (fxport/digest.py)
+        settle = time.time_ns() - hit_model.stat().st_ctime_ns
+        if settle < 2.5e9:
+            time.sleep(2.5 - settle / 1e9)
         hits = resubmit(hits_api.address, hit_model, args.hits)
+        hits_hashing = resubmit(hits_api.address, hit_model, max(10, args.hits // 5), remember_digest=False)
         hits_rehash = resubmit(rehash_api.address, hit_model, max(10, args.hits // 5))
         uploaded_on_hits = upload_counter(ports[0]) + upload_counter(ports[1]) - before
         hash_t = []
@@ -647,12 +662,14 @@ def main() -> None:
         tp["all_jobs_s"] = [r["jobs_s"] for r in rounds]
 
         model_mib = hit_model.stat().st_size / (1 << 20)
-    report(args, inproc, boxed, stack_runs, engine_stages, hits, hits_rehash, uploaded_on_hits, hash_t, proofs,
+    report(args, inproc, boxed, stack_runs, engine_stages, hits, hits_hashing, hits_rehash, uploaded_on_hits, hash_t,
+           proofs,
            tp, tiny_costs, model_mib, late_runs, fs_runs, cpu_runs, contention, weed, floor, traffic_runs)
 
 
 def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[str, Any]],
-           engine_stages: list[dict[str, float]], hits: list[float], hits_rehash: list[float], uploaded: float,
+           engine_stages: list[dict[str, float]], hits: list[float], hits_hashing: list[float],
+           hits_rehash: list[float], uploaded: float,
            hash_t: list[float], proofs: list[dict[str, float]], tp: dict[str, Any], tiny: dict[str, float],
            model_mib: float, late_runs: list[dict[str, Any]], fs_runs: list[dict[str, Any]],
            cpu_runs: list[tuple[float, dict[str, float]]], contention: dict[str, float], weed: dict[str, Any],
@@ -712,6 +729,7 @@ def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[s
     md5_list = "; ".join(f"`{k}` {weed['md5_by'][k] * 100:.0f}%" for k in md5_sites)
     hits_p50, hits_p99 = med(hits) * 1000, pct(hits, 99) * 1000
     rh_p50, rh_p99 = med(hits_rehash) * 1000, pct(hits_rehash, 99) * 1000
+    hh_p50, hh_p99 = med(hits_hashing) * 1000, pct(hits_hashing, 99) * 1000
     proof = min(proofs, key=lambda p: p["s"])
     mib = proof["bytes"] / (1 << 20)
     tp_cpu = "\n".join(f"| {k} | {v:.2f} | {v / tp['n'] * 1000:.0f} |" for k, v in tp["cpu"].items())
@@ -811,9 +829,10 @@ data movement itself on the same two cores; the difference to the S3 row is the 
 | measure | value |
 |---|---|
 | client: sha256 of the {model_mib:.0f} MiB model (median) | {med(hash_t) * 1000:.0f} ms |
-| resubmission, client total (hash + CheckUpload + SubmitJob → SUCCEEDED, `cache_hit`), p50 / p99, n={len(hits)} | **{hits_p50:.0f} ms / {hits_p99:.0f} ms** (target p50 ≤ 150 ms) |
+| resubmission of the unchanged file, client total (its remembered digest + CheckUpload + SubmitJob → SUCCEEDED, `cache_hit`), p50 / p99, n={len(hits)} | **{hits_p50:.0f} ms / {hits_p99:.0f} ms** (target p50 ≤ 35 ms) |
+| same, hashing the model on every resubmission (`FXPORT_DIGEST_CACHE=0`, or a file the client has not seen), p50 / p99, n={len(hits_hashing)} | {hh_p50:.0f} ms / {hh_p99:.0f} ms |
 | same, the proof re-hashing every artifact on every hit (`FXPORT_CACHE_REHASH_INTERVAL_S=0`), p50 / p99, n={len(hits_rehash)} | {rh_p50:.0f} ms / {rh_p99:.0f} ms |
-| model bytes received by the API over all {len(hits) + len(hits_rehash)} resubmissions (`fxport_upload_bytes_total`) | **{uploaded:.0f}** |
+| model bytes received by the API over all {len(hits) + len(hits_hashing) + len(hits_rehash)} resubmissions (`fxport_upload_bytes_total`) | **{uploaded:.0f}** |
 | the proof alone: re-read and re-hash the cached artifacts from S3 | {proof['s'] * 1000:.0f} ms for {mib:.1f} MiB ({mib / proof['s']:.0f} MiB/s), peak Python allocation {proof['peak_mib']:.1f} MiB |
 
 By default a hit re-hashes an artifact's bytes only when its S3 version (ETag + Last-Modified)
@@ -821,7 +840,7 @@ changed since the last re-hash or that is older than `FXPORT_CACHE_REHASH_INTERV
 otherwise the proof is one HEAD per artifact (size and recorded sha256). Re-hashing on every hit
 adds the re-read above to each one; memory stays at the chunk size whatever the artifact size.
 
-### Throughput: tiny models, 2 worker processes — **{tp['jobs_s']:.1f} jobs/s** (target ≥ 10)
+### Throughput: tiny models, 2 worker processes — **{tp['jobs_s']:.1f} jobs/s** (target ≥ 25)
 
 The median of {len(tp['all_jobs_s'])} rounds ({", ".join(f"{x:.1f}" for x in tp['all_jobs_s'])} jobs/s); the figures below are that round's.
 Each round: {tp['n']} distinct tiny models (`tiny_linear`, targets {TINY_SPEC['targets']}, verification with

@@ -347,19 +347,20 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
     def CheckUpload(self, request: pb.CheckUploadRequest, context: grpc.ServicerContext) -> pb.CheckUploadResponse:
         tenant = self.tenant_of(context)
         out = pb.CheckUploadResponse(max_upload_bytes=self.settings.max_upload_bytes)
-        for kind in ("model", "calibration"):
-            sha = getattr(request, f"{kind}_sha256")
-            if not sha:
-                continue
-            if not SHA256_RE.match(sha):
+        kinds = [kind for kind in ("model", "calibration") if getattr(request, f"{kind}_sha256")]
+        for kind in kinds:
+            if not SHA256_RE.match(getattr(request, f"{kind}_sha256")):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}_sha256: expected 64 lowercase hex digits")
-            setattr(out, f"{kind}_present", self.artifacts.exists(input_key(tenant, sha)))
         if request.model_sha256 and not request.no_cache:
             spec = self._spec_or_abort(request.spec, context)
             # The cheap half of the proof (sizes and recorded digests): SubmitJob does the rest.
             out.cache_hit = self._cache_lookup(tenant, request.model_sha256, request.calibration_sha256 or None, spec,
                                                prove=False).hit
-        if request.direct_upload and self.settings.direct_upload and not out.cache_hit:
+        if out.cache_hit:  # no bytes needed: whether the store holds the inputs is not asked (a round trip each)
+            return out
+        for kind in kinds:
+            setattr(out, f"{kind}_present", self.artifacts.exists(input_key(tenant, getattr(request, f"{kind}_sha256"))))
+        if request.direct_upload and self.settings.direct_upload:
             self._offer_direct_uploads(tenant, request, out)
         return out
 
