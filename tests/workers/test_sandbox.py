@@ -286,6 +286,11 @@ def test_each_job_gets_its_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch, tm
         assert launch.scrubbed_env(tmp_path)["OMP_NUM_THREADS"] == str(threads)
     monkeypatch.setenv("FXPORT_SANDBOX_THREADS", "3")  # the operator's word wins
     assert launch.scrubbed_env(tmp_path)["OMP_NUM_THREADS"] == "3"
+    # a waiting OpenMP thread sleeps soon instead of spinning for a core another process holds
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert launch.scrubbed_env(tmp_path)["GOMP_SPINCOUNT"] == launch.SANDBOX_GOMP_SPINCOUNT == "10000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
+    assert launch.scrubbed_env(tmp_path)["GOMP_SPINCOUNT"] == "500"
 
 
 def test_fxport_worker_tells_its_jobs_its_concurrency(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,6 +45,13 @@ SANDBOX_MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold=33554432:glibc.malloc.tr
 # of ~85k. A tiny job's fork, run and exit: see docs/benchmarks.md, "Sandbox overhead".
 SANDBOX_HUGE_PAGES = True
 
+# libgomp (torch's OpenMP) lets a thread that finds no work spin 300,000 times before it
+# sleeps. When another process holds a core, torch's second thread then spins for it while the
+# first waits: ResNet-18 at 2 threads ran 1.5x slower than at 1 beside one busy process, and
+# 1.1x with this spin count, which costs nothing on idle cores (docs/benchmarks.md, "Threads
+# when another process takes a core"). libgomp reads it at start: the zygote's environment.
+SANDBOX_GOMP_SPINCOUNT = "10000"
+
 PR_SET_DUMPABLE = 4
 
 
@@ -96,7 +103,8 @@ def scrubbed_env(work: Path | None = None, threads: int | None = None) -> dict[s
                # onnxruntime 1.2x keeps a telemetry database open read-write (~/.cache/Microsoft/...)
                # and probes the machine for it: state every child would share with the zygote
                ORT_DISABLE_TELEMETRY="1",
-               OMP_NUM_THREADS=str(threads or job_threads()))
+               OMP_NUM_THREADS=str(threads or job_threads()),
+               GOMP_SPINCOUNT=os.environ.get("GOMP_SPINCOUNT") or SANDBOX_GOMP_SPINCOUNT)
     if work is not None:
         env.update(HOME=str(work), TMPDIR=str(work / "tmp"))
     return env
