@@ -88,7 +88,7 @@ def job_threads() -> int:
     """Threads one job's engine may use: FXPORT_SANDBOX_THREADS if set, else this worker's share
     of the CPUs it may use (`available_cpus` over FXPORT_WORKER_CONCURRENCY, the jobs it runs
     at once; `fxport worker -c` sets it). Two jobs at two threads each on two cores run
-    slower than at one each: torch's threads spin waiting for a core (ResNet-18: 9x)."""
+    slower than at one each: each job's threads wait for the core the other holds."""
     explicit = os.environ.get("FXPORT_SANDBOX_THREADS")
     if explicit:
         return max(1, int(explicit))
@@ -96,14 +96,14 @@ def job_threads() -> int:
     return max(1, available_cpus() // slots)
 
 
-def scrubbed_env(work: Path | None = None, threads: int | None = None) -> dict[str, str]:
-    """The child's whole environment. `threads`: its torch and onnxruntime threads (default `job_threads()`)."""
+def scrubbed_env(work: Path | None = None) -> dict[str, str]:
+    """The child's whole environment, with its torch and onnxruntime threads (`job_threads()`)."""
     env = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", FXPORT_SANDBOX="1", GLIBC_TUNABLES=SANDBOX_MALLOC_TUNABLES,
                # onnxruntime 1.2x keeps a telemetry database open read-write (~/.cache/Microsoft/...)
                # and probes the machine for it: state every child would share with the zygote
                ORT_DISABLE_TELEMETRY="1",
-               OMP_NUM_THREADS=str(threads or job_threads()),
+               OMP_NUM_THREADS=str(job_threads()),
                GOMP_SPINCOUNT=os.environ.get("GOMP_SPINCOUNT") or SANDBOX_GOMP_SPINCOUNT)
     if work is not None:
         env.update(HOME=str(work), TMPDIR=str(work / "tmp"))
