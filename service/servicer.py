@@ -359,7 +359,8 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         if out.cache_hit:  # no bytes needed: whether the store holds the inputs is not asked (a round trip each)
             return out
         for kind in kinds:
-            setattr(out, f"{kind}_present", self.artifacts.exists(input_key(tenant, getattr(request, f"{kind}_sha256"))))
+            present = self.artifacts.exists(input_key(tenant, getattr(request, f"{kind}_sha256")))
+            setattr(out, f"{kind}_present", present)
         if request.direct_upload and self.settings.direct_upload:
             self._offer_direct_uploads(tenant, request, out)
         return out

@@ -75,7 +75,8 @@ def test_a_file_changed_just_now_is_not_remembered(tmp_path: Path, reads: list[P
     assert not cache.exists() or not any(cache.iterdir())
 
 
-def test_a_damaged_cache_entry_means_hashing(tmp_path: Path, reads: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_damaged_cache_entry_means_hashing(tmp_path: Path, reads: list[Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(digest, "RACY_S", 0.2)
     model, cache = tmp_path / "model.pt2", tmp_path / "cache"
     model.write_bytes(b"y" * 100)

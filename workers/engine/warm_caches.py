@@ -77,7 +77,8 @@ def _cache_onnx_registry() -> bool:
     current = registry_cls.__dict__.get("from_torchlib")
     if not isinstance(current, classmethod) or not hasattr(registry_cls(), "functions"):
         return False
-    registry_cls.from_torchlib = classmethod(_RegistryCache(current.__func__))  # type: ignore[method-assign]
+    patched: Any = registry_cls  # a private name of torch's, replaced
+    patched.from_torchlib = classmethod(_RegistryCache(current.__func__))
     return True
 
 
@@ -117,5 +118,6 @@ def _cache_type_hints() -> bool:
 
     if getattr(serialize, "typing", None) is not typing or not hasattr(serialize, "_dict_to_dataclass"):
         return False
-    serialize.typing = _TypingWithCachedHints()  # type: ignore[attr-defined]
+    patched: Any = serialize  # the module's own name for `typing`, replaced
+    patched.typing = _TypingWithCachedHints()
     return True
