@@ -528,9 +528,10 @@ class Client:
         """Upload a model (+ optional calibration data) with a spec; returns the QUEUED job, or
         a SUCCEEDED one with `cache_hit` when the server had the result already.
 
-        `spec`: a mapping, a JobSpec, YAML/JSON text, or a Path to a spec file. The digests and
-        the spec go first (CheckUpload): on a cache hit, or when the server already holds the
-        model, no model bytes are sent (`Job.upload` says which). `no_cache`: convert even if a
+        `spec`: a mapping, a JobSpec, YAML/JSON text, or a Path to a spec file. The digests, the
+        spec and the submit header go first (CheckUpload): a cached result comes back from it as
+        the SUCCEEDED job, in one round trip; when the server already holds the model, no model
+        bytes are sent either (`Job.upload` says which). `no_cache`: convert even if a
         cached result exists. Without `idempotency_key` one is generated, so that retrying
         after a lost response returns the same job."""
         model = Path(model_path)
@@ -542,9 +543,23 @@ class Client:
         text = _spec_text(spec)
         model_sha, model_size = remembered_sha256(model)
         calib_sha, calib_size = remembered_sha256(calib) if calib else ("", 0)
-        check = self._call(self._stub.CheckUpload, pb.CheckUploadRequest(
+        idempotency_key = idempotency_key or f"auto-{uuid.uuid4().hex}"
+        ask = pb.CheckUploadRequest(
             model_sha256=model_sha, calibration_sha256=calib_sha, spec=text, no_cache=no_cache,
-            model_size=model_size, calibration_size=calib_size, direct_upload=self._direct_upload_works is not False))
+            model_size=model_size, calibration_size=calib_size, direct_upload=self._direct_upload_works is not False)
+        if not no_cache:  # a cached result comes back as the job itself: one round trip
+            ask.submit_if_cached.CopyFrom(pb.SubmitHeader(
+                spec=text, idempotency_key=idempotency_key,
+                model=pb.FileHeader(filename=model.name, size=model_size, sha256=model_sha, stored=True)))
+            if calib is not None:
+                ask.submit_if_cached.calibration.CopyFrom(pb.FileHeader(filename=calib.name, size=calib_size,
+                                                                        sha256=calib_sha, stored=True))
+        check = self._call(self._stub.CheckUpload, ask)
+        if check.HasField("job"):
+            job = Job(self, check.job)
+            job.upload = {"sent_bytes": 0, "skipped": "cache_hit" if check.job.cache_hit else "model_stored",
+                          "direct": False}
+            return job
         if check.max_upload_bytes and max(model_size, calib_size) > check.max_upload_bytes:
             big = "model" if model_size >= calib_size else "calibration"
             raise TooLarge(f"{big} is {max(model_size, calib_size)} bytes; the server accepts at most "
@@ -560,7 +575,7 @@ class Client:
                 skip[kind] = direct[kind] = self._put_direct(path, offer)
         sent = [(model_size if direct["model"] else 0) + (calib_size if direct["calibration"] else 0)]
         header = pb.SubmitHeader(
-            spec=text, idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}", no_cache=no_cache,
+            spec=text, idempotency_key=idempotency_key, no_cache=no_cache,
             model=pb.FileHeader(filename=model.name, size=model_size, sha256=model_sha, stored=skip["model"]),
         )
         if calib is not None:

@@ -157,8 +157,10 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         return InputRef(sha256=meta.sha256, bytes=meta.bytes, filename=header.filename, key=key)
 
     def _cache_lookup(self, tenant: str, model_sha256: str, calibration_sha256: str | None, spec: JobSpec,
-                      *, prove: bool) -> Lookup:
-        """The cached result for these inputs, spec and the workers' current toolchain (if any)."""
+                      *, prove: bool, before_submit: bool = False) -> Lookup:
+        """The cached result for these inputs, spec and the workers' current toolchain (if any).
+        A miss of CheckUpload's (`prove` False, or `before_submit`) is remembered for the
+        SubmitJob that follows it, which then does not read the entry again."""
         from fxport.toolchain import job_fingerprint
 
         if not self.cache.enabled or self.toolchains is None:
@@ -170,6 +172,8 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         if key is None:
             return Lookup(None, reason="toolchain unknown")
         if prove and self.recent_misses.take(key):
+            if before_submit:
+                self.recent_misses.add(key)  # still missed, for the SubmitJob after this CheckUpload
             return Lookup(key, reason="CheckUpload missed it moments ago")
         try:
             METRICS.cache_entry_reads_total.inc()
@@ -177,7 +181,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         except StorageError as exc:  # a store hiccup costs the hit, not the submit
             log.warning("cache lookup failed: %s", exc)
             return Lookup(key, reason=f"lookup failed: {exc}")
-        if not prove and not found.hit:  # CheckUpload: its SubmitJob comes next
+        if (before_submit or not prove) and not found.hit:  # CheckUpload: its SubmitJob comes next
             self.recent_misses.add(key)
         return found
 
@@ -251,14 +255,12 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
 
     # -- RPCs ------------------------------------------------------------------------------
 
-    def SubmitJob(self, request_iterator: Iterable[pb.SubmitJobRequest], context: grpc.ServicerContext) -> pb.Job:
-        tenant = self.tenant_of(context)
-        requests = iter(request_iterator)
-        first = next(requests, None)
-        if first is None or first.WhichOneof("payload") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first SubmitJobRequest must carry the header")
-        assert first is not None  # context.abort raised otherwise
-        header = first.header
+    def _answer_without_bytes(self, tenant: str, header: pb.SubmitHeader, context: grpc.ServicerContext,
+                              *, before_submit: bool = False) -> tuple[JobSpec, pb.Job | None, bool]:
+        """SubmitJob's steps before any byte moves: the header checked, then the job its idempotency
+        key already names, then the cached result. Returns (the spec, the job answered or None,
+        whether the cache was looked up). Shared with CheckUpload's `submit_if_cached`
+        (`before_submit`: a miss stands for the SubmitJob that follows)."""
         # 1. The spec, before anything is stored.
         spec = self._spec_or_abort(header.spec, context)
         if not header.HasField("model"):
@@ -279,16 +281,33 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             if existing is not None:
                 if existing.spec_digest == spec.digest() and header.model.sha256 in ("", existing.model.sha256):
                     log.info("idempotent resubmit", extra={"job_id": existing.id})
-                    return job_to_proto(existing)
+                    return spec, job_to_proto(existing), False
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(IdempotencyConflict(existing)))
         # 3. The result cache, before any byte moves, when the header names the inputs' digests.
         calib_sha = header.calibration.sha256 if header.HasField("calibration") else None
         use_cache = not header.no_cache and (not header.HasField("calibration") or bool(calib_sha))
         if use_cache and header.model.sha256:
-            found = self._cache_lookup(tenant, header.model.sha256, calib_sha, spec, prove=True)
+            found = self._cache_lookup(tenant, header.model.sha256, calib_sha, spec, prove=True,
+                                       before_submit=before_submit)
             if found.hit:
-                return self._answer_from_cache(tenant, spec, header, found, key, context)
-            use_cache = False  # looked up and missed: not again after the upload
+                return spec, self._answer_from_cache(tenant, spec, header, found, key, context), True
+            return spec, None, True  # looked up and missed: not again after the upload
+        return spec, None, False
+
+    def SubmitJob(self, request_iterator: Iterable[pb.SubmitJobRequest], context: grpc.ServicerContext) -> pb.Job:
+        tenant = self.tenant_of(context)
+        requests = iter(request_iterator)
+        first = next(requests, None)
+        if first is None or first.WhichOneof("payload") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first SubmitJobRequest must carry the header")
+        assert first is not None  # context.abort raised otherwise
+        header = first.header
+        spec, answered, looked_up = self._answer_without_bytes(tenant, header, context)
+        if answered is not None:
+            return answered
+        key = header.idempotency_key or None
+        calib_sha = header.calibration.sha256 if header.HasField("calibration") else None
+        use_cache = not header.no_cache and (not header.HasField("calibration") or bool(calib_sha)) and not looked_up
         # A tenant at its in-flight limit is refused before any byte moves (and again at create).
         self.in_flight.check(tenant, context)
         # 4. Bytes: spooled to disk, checked, stored content-addressed.
@@ -351,7 +370,16 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         for kind in kinds:
             if not SHA256_RE.match(getattr(request, f"{kind}_sha256")):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}_sha256: expected 64 lowercase hex digits")
-        if request.model_sha256 and not request.no_cache:
+        looked_up = False
+        if request.HasField("submit_if_cached") and not request.no_cache and not request.submit_if_cached.no_cache:
+            # A resubmission in one round trip: the job is made from the cache here, as SubmitJob would.
+            _, answered, looked_up = self._answer_without_bytes(tenant, request.submit_if_cached, context,
+                                                                before_submit=True)
+            if answered is not None:
+                out.job.CopyFrom(answered)
+                out.cache_hit = answered.cache_hit
+                return out
+        if request.model_sha256 and not request.no_cache and not looked_up:
             spec = self._spec_or_abort(request.spec, context)
             # The cheap half of the proof (sizes and recorded digests): SubmitJob does the rest.
             out.cache_hit = self._cache_lookup(tenant, request.model_sha256, request.calibration_sha256 or None, spec,

@@ -59,7 +59,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., model_chunk: _Optional[bytes] = ..., calibration_chunk: _Optional[bytes] = ...) -> None: ...
 
 class CheckUploadRequest(_message.Message):
-    __slots__ = ("model_sha256", "calibration_sha256", "spec", "no_cache", "model_size", "calibration_size", "direct_upload")
+    __slots__ = ("model_sha256", "calibration_sha256", "spec", "no_cache", "model_size", "calibration_size", "direct_upload", "submit_if_cached")
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_SHA256_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class CheckUploadRequest(_message.Message):
     MODEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_SIZE_FIELD_NUMBER: _ClassVar[int]
     DIRECT_UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_IF_CACHED_FIELD_NUMBER: _ClassVar[int]
     model_sha256: str
     calibration_sha256: str
     spec: str
@@ -74,7 +75,8 @@ class CheckUploadRequest(_message.Message):
     model_size: int
     calibration_size: int
     direct_upload: bool
-    def __init__(self, model_sha256: _Optional[str] = ..., calibration_sha256: _Optional[str] = ..., spec: _Optional[str] = ..., no_cache: bool = ..., model_size: _Optional[int] = ..., calibration_size: _Optional[int] = ..., direct_upload: bool = ...) -> None: ...
+    submit_if_cached: SubmitHeader
+    def __init__(self, model_sha256: _Optional[str] = ..., calibration_sha256: _Optional[str] = ..., spec: _Optional[str] = ..., no_cache: bool = ..., model_size: _Optional[int] = ..., calibration_size: _Optional[int] = ..., direct_upload: bool = ..., submit_if_cached: _Optional[_Union[SubmitHeader, _Mapping]] = ...) -> None: ...
 
 class UploadTarget(_message.Message):
     __slots__ = ("url", "headers", "expires_at")
@@ -94,20 +96,22 @@ class UploadTarget(_message.Message):
     def __init__(self, url: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., expires_at: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class CheckUploadResponse(_message.Message):
-    __slots__ = ("model_present", "calibration_present", "max_upload_bytes", "cache_hit", "model_upload", "calibration_upload")
+    __slots__ = ("model_present", "calibration_present", "max_upload_bytes", "cache_hit", "model_upload", "calibration_upload", "job")
     MODEL_PRESENT_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_PRESENT_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     MODEL_UPLOAD_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     model_present: bool
     calibration_present: bool
     max_upload_bytes: int
     cache_hit: bool
     model_upload: UploadTarget
     calibration_upload: UploadTarget
-    def __init__(self, model_present: bool = ..., calibration_present: bool = ..., max_upload_bytes: _Optional[int] = ..., cache_hit: bool = ..., model_upload: _Optional[_Union[UploadTarget, _Mapping]] = ..., calibration_upload: _Optional[_Union[UploadTarget, _Mapping]] = ...) -> None: ...
+    job: Job
+    def __init__(self, model_present: bool = ..., calibration_present: bool = ..., max_upload_bytes: _Optional[int] = ..., cache_hit: bool = ..., model_upload: _Optional[_Union[UploadTarget, _Mapping]] = ..., calibration_upload: _Optional[_Union[UploadTarget, _Mapping]] = ..., job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
 class InputRef(_message.Message):
     __slots__ = ("sha256", "bytes", "filename", "key")

@@ -141,6 +141,34 @@ def test_identical_spec_in_another_key_order_is_a_hit_without_upload(cache_api, 
     assert took < 5, took
 
 
+def _calls(api: CacheApi, method: str) -> float:
+    """How many `method` RPCs the API has started (grpc_server_started_total)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{api.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("grpc_server_started_total{") and f'grpc_method="{method}"' in line)
+
+
+def test_a_hit_is_one_round_trip_and_honours_its_idempotency_key(cache_api, first_job, tiny_pt2):
+    """CheckUpload with the SubmitJob header answers a cached result with the job itself, as
+    SubmitJob would: no SubmitJob follows, and the same key gives the same job again."""
+    submits, checks = _calls(cache_api, "SubmitJob"), _calls(cache_api, "CheckUpload")
+    with cache_api.client() as c:
+        job = c.submit(tiny_pt2, SPEC, idempotency_key="one-trip")
+        assert job.message.cache_hit and job.state == "SUCCEEDED", job.to_dict()
+        assert job.upload == {"sent_bytes": 0, "skipped": "cache_hit", "direct": False}
+        assert [a["sha256"] for a in job.artifacts] == [a["sha256"] for a in first_job.artifacts]
+        assert _calls(cache_api, "SubmitJob") == submits and _calls(cache_api, "CheckUpload") == checks + 1
+        again = c.submit(tiny_pt2, SPEC, idempotency_key="one-trip")
+        assert again.id == job.id
+        # the key names that job: another spec under it is refused, as SubmitJob refuses it
+        with pytest.raises(Exception, match="idempotency"):
+            c.submit(tiny_pt2, {**SPEC, "verify": {"samples": 3}}, idempotency_key="one-trip")
+        # no_cache: no job from the check; the model is stored, so SubmitJob queues a conversion
+        fresh = c.submit(tiny_pt2, SPEC, no_cache=True)
+        assert not fresh.message.cache_hit and fresh.upload["skipped"] == "model_stored"
+        fresh.cancel()
+
+
 def test_a_changed_spec_field_or_model_misses(cache_api, first_job, tiny_pt2, variant_pt2):
     with cache_api.client() as c:
         assert _would_hit(c, tiny_pt2, SPEC_REORDERED)
@@ -221,7 +249,7 @@ def test_a_new_model_reads_the_cache_entry_once_not_in_both_calls(cache_api, fir
         # The miss was taken once: the same submit again reads the entry and hits it.
         again = c.submit(variant_pt2, {**SPEC, "verify": {"samples": 3}})
         assert again.message.cache_hit
-        assert cache_api.metric("fxport_cache_entry_reads_total") == reads + 3  # CheckUpload + SubmitJob
+        assert cache_api.metric("fxport_cache_entry_reads_total") == reads + 2  # CheckUpload answers the hit itself
 
 
 def test_no_cache_forces_a_run_whose_result_replaces_the_entry(cache_api, first_job, tiny_pt2):
