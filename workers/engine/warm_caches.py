@@ -1,8 +1,8 @@
 """Two per-process caches that torch 2.13 does not keep, kept here (issue 24: no work twice).
 
 - The ONNX exporter builds its op registry from onnxscript's torchlib on every export
-  (`ONNXRegistry.from_torchlib`: 505 ops, about 0.5 s each time on a 2-core Xeon, 1.0 s the
-  first time). Built once per opset and copied per export (the copy is the exporter's to add
+  (`ONNXRegistry.from_torchlib`: 505 ops, about 0.5 s each time on a 2-core AMD EPYC VM, 1.0 s
+  the first time). Built once per opset and copied per export (the copy is the exporter's to add
   custom ops to), it costs a fraction of a millisecond; the warm zygote builds it before it
   forks, so a job's child never does.
 - Reading a `.pt2` (`torch.export.load`) resolves the type hints of the serialized schema's
@@ -10,7 +10,7 @@
   the load. They depend only on the class, so they are resolved once per class.
 
 Both replace a private name of the pinned torch (pyproject: torch==2.13.0). Each installer checks
-that each name is what it was written against and leaves torch alone where it is not: then
+that its name is what it was written against and leaves torch alone where it is not: then
 only the speed is lost, never a result.
 """
 
@@ -21,6 +21,7 @@ import typing
 from typing import Any
 
 log = logging.getLogger(__name__)
+
 
 def cache_onnx_registry() -> None:
     """Install the ONNX op registry cache in this process (once; before an ONNX export)."""
