@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 
@@ -74,10 +75,17 @@ def test_cli_exit_codes(embedded_server, tiny_pt2, tmp_path):
     # 4: nothing listens there.
     res = fxport("jobs", "list", "--server", f"127.0.0.1:{free_port()}", "--json")
     assert res.returncode == 4 and "unreachable" in json.loads(res.stdout)["error"]["message"]
-    # 3: gave up waiting (the job keeps running on the server).
-    res = fxport("submit", str(tiny_pt2), "--target", "onnx", "--server", embedded_server.address,
-                 "--wait", "--timeout", "0.5", "--json")
+    # 3: gave up waiting (the job keeps running on the server). A model that sleeps in its sandbox:
+    # a tiny job finishes within a short wait now (its ONNX export no longer builds the op registry).
+    from tests.workers.test_sandbox import hostile_package
+
+    slow = hostile_package(tmp_path, "sleeps_in_sandbox", "import time; time.sleep(120)")
+    res = fxport("submit", str(slow), "--target", "onnx", "--server", embedded_server.address,
+                 "--wait", "--timeout", "1", "--json")
     assert res.returncode == 3, res.stderr
+    still_running = re.search(r"job (\S+) did not finish", res.stdout)
+    assert still_running, res.stdout
+    assert fxport("jobs", "cancel", still_running.group(1), "--server", embedded_server.address).returncode == 0
     # 2: the job failed on invalid input (a model file that is not a model), as convert exits.
     junk = tmp_path / "junk.pt2"
     junk.write_bytes(b"not a model at all")
