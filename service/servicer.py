@@ -110,6 +110,12 @@ class RecentMisses:
         return at is not None and time.monotonic() - at < self.ttl_s
 
 
+def _cache_allowed(header: pb.SubmitHeader) -> bool:
+    """The submit may be answered from the cache: no `no_cache`, and a calibration file, if any,
+    named by its digest."""
+    return not header.no_cache and (not header.HasField("calibration") or bool(header.calibration.sha256))
+
+
 class ConversionServicer(pb_grpc.ConversionServiceServicer):
     def __init__(
         self,
@@ -285,8 +291,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(IdempotencyConflict(existing)))
         # 3. The result cache, before any byte moves, when the header names the inputs' digests.
         calib_sha = header.calibration.sha256 if header.HasField("calibration") else None
-        use_cache = not header.no_cache and (not header.HasField("calibration") or bool(calib_sha))
-        if use_cache and header.model.sha256:
+        if _cache_allowed(header) and header.model.sha256:
             found = self._cache_lookup(tenant, header.model.sha256, calib_sha, spec, prove=True,
                                        before_submit=before_submit)
             if found.hit:
@@ -307,7 +312,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             return answered
         key = header.idempotency_key or None
         calib_sha = header.calibration.sha256 if header.HasField("calibration") else None
-        use_cache = not header.no_cache and (not header.HasField("calibration") or bool(calib_sha)) and not looked_up
+        use_cache = _cache_allowed(header) and not looked_up  # a header without digests: after the upload
         # A tenant at its in-flight limit is refused before any byte moves (and again at create).
         self.in_flight.check(tenant, context)
         # 4. Bytes: spooled to disk, checked, stored content-addressed.

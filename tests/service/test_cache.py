@@ -169,6 +169,25 @@ def test_a_hit_is_one_round_trip_and_honours_its_idempotency_key(cache_api, firs
         fresh.cancel()
 
 
+def test_another_tenant_cannot_take_a_hit_or_a_job_through_the_one_round_trip(cache_api, first_job, tiny_pt2):
+    """An attacker in tenant cache-b who knows cache-a's model digest, spec and idempotency key,
+    calling CheckUpload by hand with the submit header: no job of cache-a's, no hit on its result."""
+    with cache_api.client(TENANTS[0]) as alice:
+        owned = alice.submit(tiny_pt2, SPEC, idempotency_key="alices-key")
+        assert owned.message.cache_hit and owned.message.tenant == TENANTS[0]
+    sha = hashlib.sha256(tiny_pt2.read_bytes()).hexdigest()
+    header = pb.SubmitHeader(spec=json.dumps(SPEC), idempotency_key="alices-key",
+                             model=pb.FileHeader(filename="m.pt2", size=tiny_pt2.stat().st_size, sha256=sha,
+                                                 stored=True))
+    with cache_api.client(TENANTS[1]) as mallory:
+        answer = mallory._call(mallory._stub.CheckUpload, pb.CheckUploadRequest(
+            model_sha256=sha, spec=json.dumps(SPEC), submit_if_cached=header))
+        assert not answer.HasField("job") and not answer.cache_hit
+        assert not answer.model_present  # cache-a's stored model is not cache-b's either
+        with pytest.raises(Exception, match=f"no job {owned.id}"):
+            mallory.get(owned.id)
+
+
 def test_a_changed_spec_field_or_model_misses(cache_api, first_job, tiny_pt2, variant_pt2):
     with cache_api.client() as c:
         assert _would_hit(c, tiny_pt2, SPEC_REORDERED)
