@@ -7,6 +7,10 @@ On a machine with an NVIDIA GPU (driver with CUDA 12+), from the repository root
 (default output: $OUT/gpu_check.json when OUT is set, else ./gpu_check.json; --docs also
 writes the "tensorrt" section of docs/benchmarks.md). What it does, ResNet-18 (tests/models,
 random weights, 224x224), dynamic batch 1..16 (opt 8):
+0. first, with or without TensorRT: the GPU, torch and CUDA; whether CUDA works behind the
+   layers a GPU job's sandbox child applies (a fresh interpreter confined as sandbox/child.py
+   confines a TensorRT job, beside a control run without the layers); without TensorRT the
+   check stops after eager torch's latency and says why TensorRT would not import;
 1. the CPU stage per precision — fp32, fp16 (fxport's half graph) and int8 (Q/DQ from
    fxport's quantizer, random calibration data): model.onnx, preflighted;
 2. per precision, a TensorRT build with a cold timing cache, then a rebuild with the warm
@@ -26,6 +30,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -100,19 +105,73 @@ def gpu_ms(fn: Callable[[], Any], stream: Any = None, runs: int = 50, warmup: in
 
 
 def environment() -> dict[str, Any]:
-    import tensorrt as trt
+    """The GPU, torch and CUDA; TensorRT's version, or why it cannot be imported (the checks
+    that need no TensorRT still run without it)."""
     import torch
-
-    from fxport.workers.engine.tensorrt.builder import cuda_driver_version
-    from fxport.workers.engine.tensorrt.timing_cache import cache_key, probe_device_identity
 
     if not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA device (a CPU-only torch wheel, or no driver)")
+    env: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0),
+                           "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(0)),
+                           "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                           "kernel": platform.release()}
+    try:
+        import tensorrt as trt
+    except ImportError as exc:
+        env["tensorrt"] = None
+        env["tensorrt_import_error"] = f"{type(exc).__name__}: {exc}"
+        return env
+    from fxport.workers.engine.tensorrt.builder import cuda_driver_version
+    from fxport.workers.engine.tensorrt.timing_cache import cache_key, probe_device_identity
+
     identity = probe_device_identity()
-    return {"gpu": torch.cuda.get_device_name(0),
-            "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(0)),
-            "tensorrt": trt.__version__, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-            "cuda_driver": cuda_driver_version(), "timing_cache_key": cache_key(identity, None) if identity else None}
+    env.update(tensorrt=trt.__version__, cuda_driver=cuda_driver_version(),
+               timing_cache_key=cache_key(identity, None) if identity else None)
+    return env
+
+
+# Run in a fresh interpreter: the layers a GPU job's sandbox child applies (sandbox/child.py with
+# a TensorRT request: no address-space limit, GPU devices readable and writable), then CUDA's
+# first use and one matrix product. argv: repo root, work folder, "layers" or "none" (control).
+CUDA_PROBE = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+result = {}
+if sys.argv[3] == "layers":
+    from fxport.workers.sandbox.confine import apply_limits, confine
+    result["network_isolated"] = apply_limits(16 << 30, 300, True, limit_address_space=False)
+    result["layers"] = confine([Path(sys.argv[2])], [], gpu=True)
+t0 = time.perf_counter()
+try:
+    import torch
+    x = torch.randn(2048, 2048, device="cuda")
+    result["checksum"] = round(float((x @ x).float().abs().mean()), 3)
+    torch.cuda.synchronize()
+    result.update(cuda_ok=True, device=torch.cuda.get_device_name(0))
+except BaseException as exc:
+    result.update(cuda_ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+result["first_use_s"] = round(time.perf_counter() - t0, 2)
+print(json.dumps(result, default=str))
+"""
+
+
+def cuda_behind_sandbox(tmp: Path) -> dict[str, Any]:
+    """Whether CUDA works behind the GPU job's sandbox layers, beside a control run without them."""
+    import subprocess
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    out: dict[str, Any] = {}
+    for mode in ("none", "layers"):
+        proc = subprocess.run([sys.executable, "-c", CUDA_PROBE, repo, str(tmp), mode],
+                              capture_output=True, text=True, timeout=300)
+        lines = proc.stdout.strip().splitlines()
+        try:
+            out[mode] = json.loads(lines[-1]) if lines else {}
+        except json.JSONDecodeError:
+            out[mode] = {"stdout": proc.stdout[-2000:]}
+        out[mode].update(returncode=proc.returncode, stderr=proc.stderr[-2000:])
+    return out
 
 
 def warm_up_process(tmp: Path) -> None:
@@ -139,11 +198,35 @@ def main(argv: list[str]) -> int:
     report.save()
     env = report.step("environment", environment)
     if env is None:
-        report.data["status"] = "no GPU / TensorRT: nothing measured (see errors.environment)"
+        report.data["status"] = "no GPU: nothing measured (see errors.environment)"
         report.save()
         print(f"gpu check: {report.data['status']} -> {report.path}", file=sys.stderr)
         return 2
     report.data["environment"] = env
+    with tempfile.TemporaryDirectory(prefix="fxport-gpu-probe-") as probe_tmp:
+        report.data["cuda_behind_sandbox"] = report.step("cuda_behind_sandbox",
+                                                         lambda: cuda_behind_sandbox(Path(probe_tmp)))
+    if env.get("tensorrt") is None:
+        import torch
+
+        from tests.models import get
+
+        eager = get("resnet18").build().cuda().eval()
+        eager_ms: dict[str, Any] = {}
+        report.data["eager_torch_ms"] = eager_ms
+
+        def time_eager_only() -> None:
+            with torch.no_grad():
+                for b in LATENCY_BATCHES:
+                    x = torch.randn(b, 3, 224, 224, device="cuda")
+                    eager_ms[f"batch{b}"] = {"fp32": gpu_ms(lambda: eager(x))}
+
+        report.step("eager_latency", time_eager_only)
+        report.data["status"] = f"no TensorRT: {env['tensorrt_import_error']}; engine steps not run"
+        report.data["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        report.save()
+        print(json.dumps({"status": report.data["status"], "out": str(report.path)}))
+        return 2
 
     import torch
 
@@ -269,26 +352,46 @@ def main(argv: list[str]) -> int:
     return 0 if not report.data["errors"] else 1
 
 
-def write_docs(data: dict[str, Any]) -> None:
-    """The "tensorrt" section of docs/benchmarks.md, from a gpu_check.json's data."""
+def write_docs(data: dict[str, Any], extra: str = "") -> None:
+    """The "tensorrt" section of docs/benchmarks.md, from a gpu_check.json's data (`extra`: a
+    paragraph appended as is)."""
     from bench._report import write_section
 
     env = data.get("environment", {})
     lines = ["## TensorRT (bench/gpu_check.py)\n",
-             f"{env.get('gpu')} (compute capability {env.get('compute_capability')}), TensorRT {env.get('tensorrt')}, "
-             f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), driver CUDA {env.get('cuda_driver')}; "
-             f"{data.get('machine')}. ResNet-18, 224x224, dynamic batch {BATCH[0]}..{BATCH[2]}.\n",
-             "| precision | build cold s | build warm s | warm/cold | engine ms b1 | eager fp32 ms b1 | engine ms b8 | "
-             "eager fp32 ms b8 | verified |", "|---|---|---|---|---|---|---|---|---|"]
-    for precision, row in data.get("precisions", {}).items():
-        lat = row.get("latency", {})
-        b1, b8 = lat.get("batch1", {}), lat.get("batch8", {})
-        verified = row.get("cold", {}).get("verification", {}).get("passed")
-        lines.append(f"| {precision} | {row.get('cold', {}).get('build_s')} | {row.get('warm', {}).get('build_s')} | "
-                     f"{row.get('build_warm_over_cold')} | {b1.get('engine_ms')} | {b1.get('eager_fp32_ms')} | "
-                     f"{b8.get('engine_ms')} | {b8.get('eager_fp32_ms')} | {verified} |")
+             f"{env.get('gpu')} (compute capability {env.get('compute_capability')}), "
+             f"TensorRT {env.get('tensorrt') or 'not installed'}, "
+             f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), kernel {env.get('kernel')}; "
+             f"{data.get('machine')}; {data.get('started', '')[:10]}.\n"]
+    probe = data.get("cuda_behind_sandbox") or {}
+    if probe:
+        def said(run: dict[str, Any]) -> str:
+            return "CUDA works" if run.get("cuda_ok") else f"CUDA fails: {run.get('error')}"
+        layers = probe.get("layers", {})
+        applied = [k for k, v in (layers.get("layers") or {}).items() if v is True]
+        lines.append(f"CUDA behind a GPU job's sandbox layers ({', '.join(applied)}): **{said(layers)}**; "
+                     f"without the layers: {said(probe.get('none', {}))}.\n")
+    if env.get("tensorrt") is None:
+        eager = data.get("eager_torch_ms", {})
+        lines.append(f"**TensorRT could not be imported** ({env.get('tensorrt_import_error')}): no engine was built, "
+                     "so there are no build or engine-latency figures yet. Eager torch, ResNet-18 fp32 on this GPU: "
+                     + ", ".join(f"{b} {v.get('fp32')} ms" for b, v in eager.items()) + ".")
+    else:
+        lines += [f"ResNet-18, 224x224, dynamic batch {BATCH[0]}..{BATCH[2]}.\n",
+                  "| precision | build cold s | build warm s | warm/cold | engine ms b1 | eager fp32 ms b1 | "
+                  "engine ms b8 | eager fp32 ms b8 | verified |", "|---|---|---|---|---|---|---|---|---|"]
+        for precision, row in data.get("precisions", {}).items():
+            lat = row.get("latency", {})
+            b1, b8 = lat.get("batch1", {}), lat.get("batch8", {})
+            verified = row.get("cold", {}).get("verification", {}).get("passed")
+            cold, warm = row.get("cold", {}), row.get("warm", {})
+            lines.append(f"| {precision} | {cold.get('build_s')} | {warm.get('build_s')} | "
+                         f"{row.get('build_warm_over_cold')} | {b1.get('engine_ms')} | {b1.get('eager_fp32_ms')} | "
+                         f"{b8.get('engine_ms')} | {b8.get('eager_fp32_ms')} | {verified} |")
     if data.get("errors"):
         lines.append("\nFailed steps: " + ", ".join(sorted(data["errors"])))
+    if extra:
+        lines.append("\n" + extra)
     write_section("tensorrt", "\n".join(lines))
 
 

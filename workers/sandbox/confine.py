@@ -27,6 +27,7 @@ import os
 import platform
 import resource
 import signal
+import socket
 import struct
 import sys
 from collections.abc import Iterable
@@ -89,6 +90,11 @@ REFUSED_SYSCALLS: dict[str, tuple[int, int]] = {
     "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
     "fspick": (433, 433), "mount_setattr": (442, 442),
     "unshare": (272, 97), "setns": (308, 268), "open_by_handle_at": (304, 265),
+}
+# A GPU job may make AF_UNIX sockets (below, seccomp_program), but may not send on one to a
+# socket it did not make itself: no connect, no send with an address.
+UNIX_SENDS_REFUSED: dict[str, tuple[int, int]] = {
+    "connect": (42, 203), "sendto": (44, 206), "sendmsg": (46, 211), "sendmmsg": (307, 269),
 }
 CLONE_THREAD = 0x00010000
 _X32_SYSCALL_BIT = 0x40000000
@@ -210,6 +216,10 @@ def landlock_rules(writable: Iterable[Path], readable: Iterable[Path], abi: int,
     if gpu:
         devices, folders = gpu_paths()
         rules += [(p, device) for p in devices] + [(p, FS_READ) for p in folders]
+        # CUDA names the threads it starts (/proc/self/task/<tid>/comm) and fails to initialise,
+        # error 304, when it cannot (measured on an H200, bench/gpu_check.py). Files of this
+        # process's own threads: writing them reaches nothing outside the sandbox.
+        rules.append((Path("/proc/self/task"), (FS_READ | FS_WRITE_FILE | FS_TRUNCATE) & handled))
     return rules
 
 
@@ -257,15 +267,23 @@ def _bpf_jump(code: int, k: int, jt: int, jf: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-@functools.lru_cache(maxsize=4)
-def seccomp_program(machine: str | None = None) -> bytes:
+@functools.lru_cache(maxsize=8)
+def seccomp_program(machine: str | None = None, *, unix_sockets: bool = False) -> bytes:
     """A seccomp BPF program: sockets, io_uring and the calls in `refused` fail with EPERM;
     process-creating clone/fork/vfork with EAGAIN/EPERM; clone3 with ENOSYS (so libc falls
     back to clone, whose flags the filter can read); syscalls of a foreign ABI (i386 int 0x80,
-    x32) with ENOSYS. Everything else is allowed."""
+    x32) with ENOSYS. Everything else is allowed.
+
+    `unix_sockets` (a GPU job): socket() and socketpair() of AF_UNIX are allowed, every other
+    family still fails. NVIDIA's driver library makes both when CUDA starts, and CUDA fails
+    to initialise without them (error 304; measured on an H200, bench/gpu_check.py)."""
     machine = machine or platform.machine()
     arch = _ARCHES[machine]
+    socket_calls = [REFUSED_SYSCALLS[name][list(_ARCHES).index(machine)] for name in ("socket", "socketpair")]
     refused = [numbers[list(_ARCHES).index(machine)] for numbers in REFUSED_SYSCALLS.values()]
+    if unix_sockets:
+        refused = [nr for nr in refused if nr not in socket_calls]
+        refused += [numbers[list(_ARCHES).index(machine)] for numbers in UNIX_SENDS_REFUSED.values()]
     ld_w_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     # Layout, with the four return statements at the end: ... | ALLOW | ENOSYS | EPERM | EAGAIN
     body: list[tuple[str, int, str | None, str | None]] = [
@@ -275,11 +293,19 @@ def seccomp_program(machine: str | None = None) -> bytes:
         ("jge", _X32_SYSCALL_BIT, "ENOSYS", None),
         ("jeq", arch["clone3"], "ENOSYS", None),
         *[("jeq", nr, "EPERM", None) for nr in (*arch["forks"], *refused)],
+        *[("jeq", nr, "SOCKET_FAMILY", None) for nr in (socket_calls if unix_sockets else ())],
         ("jeq", arch["clone"], None, "ALLOW"),
         ("ld", 16, None, None),                      # args[0] (clone flags), low 32 bits (little-endian)
         ("jset", CLONE_THREAD, "ALLOW", "EAGAIN"),
     ]
-    labels = {"ALLOW": len(body), "ENOSYS": len(body) + 1, "EPERM": len(body) + 2, "EAGAIN": len(body) + 3}
+    if unix_sockets:
+        body += [("label", 0, "SOCKET_FAMILY", None),
+                 ("ld", 16, None, None),             # args[0] (the address family)
+                 ("jeq", socket.AF_UNIX, "ALLOW", "EPERM")]
+    labels = {name: i - sum(op == "label" for op, *_ in body[:i])
+              for i, (op, _, name, _) in enumerate(body) if op == "label"}
+    body = [row for row in body if row[0] != "label"]
+    labels.update({"ALLOW": len(body), "ENOSYS": len(body) + 1, "EPERM": len(body) + 2, "EAGAIN": len(body) + 3})
     out = b""
     for i, (op, k, jt, jf) in enumerate(body):
         if op == "ld":
@@ -361,8 +387,10 @@ def confine(writable: Iterable[Path], readable: Iterable[Path] = (), *, gpu: boo
     try:
         if platform.machine() not in _ARCHES:
             raise OSError(errno.ENOSYS, f"no seccomp filter for {platform.machine()}")
-        install_seccomp(seccomp_program())
+        install_seccomp(seccomp_program(unix_sockets=gpu))
         info["no_new_processes"] = info["sockets_blocked"] = True
+        # a GPU job: no network socket, but unconnected AF_UNIX sockets of its own (CUDA makes them)
+        info["unix_sockets_local"] = gpu
     except OSError as exc:
         errors.append(str(exc))
     info["capabilities_dropped"] = drop_capabilities(last_cap)

@@ -25,7 +25,7 @@ log = logging.getLogger("fxport.workers.sandbox")
 
 # From the child's report (sent before the model was read): what /proc cannot show.
 REPORTED_KEYS = ("filesystem_reads_confined", "filesystem_writes_confined", "tcp_blocked", "signals_scoped",
-                 "landlock_abi", "inherited_state_clean", "setup_ms")
+                 "landlock_abi", "inherited_state_clean", "setup_ms", "unix_sockets_local")
 
 
 class ChildGone(Exception):
