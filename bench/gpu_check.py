@@ -132,16 +132,29 @@ def environment() -> dict[str, Any]:
 
 # Run in a fresh interpreter: the layers a GPU job's sandbox child applies (sandbox/child.py with
 # a TensorRT request: no address-space limit, GPU devices readable and writable), then CUDA's
-# first use and one matrix product. argv: repo root, work folder, "layers" or "none" (control).
+# first use and one matrix product. argv: repo root, work folder, mode: "none" (control), "layers"
+# (all of them, as a job has them) or one layer alone ("seccomp", "landlock", "netns", "caps").
 CUDA_PROBE = """
 import json, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
+import fxport.workers.sandbox.confine as c
+work, mode = Path(sys.argv[2]), sys.argv[3]
 result = {}
-if sys.argv[3] == "layers":
-    from fxport.workers.sandbox.confine import apply_limits, confine
-    result["network_isolated"] = apply_limits(16 << 30, 300, True, limit_address_space=False)
-    result["layers"] = confine([Path(sys.argv[2])], [], gpu=True)
+if mode == "layers":
+    result["network_isolated"] = c.apply_limits(16 << 30, 300, True, limit_address_space=False)
+    result["layers"] = c.confine([work], [], gpu=True)
+elif mode == "netns":
+    result["network_isolated"] = c.apply_limits(16 << 30, 300, True, limit_address_space=False)
+elif mode == "landlock":
+    c._no_new_privs()
+    abi = c.landlock_abi()
+    result["layers"] = c.restrict_filesystem_and_network(c.landlock_rules([work], [], abi, gpu=True), abi)
+elif mode == "seccomp":
+    c._no_new_privs()
+    c.install_seccomp(c.seccomp_program(unix_sockets=True))
+elif mode == "caps":
+    result["capabilities_dropped"] = c.drop_capabilities()
 t0 = time.perf_counter()
 try:
     import torch
@@ -157,20 +170,28 @@ print(json.dumps(result, default=str))
 
 
 def cuda_behind_sandbox(tmp: Path) -> dict[str, Any]:
-    """Whether CUDA works behind the GPU job's sandbox layers, beside a control run without them."""
+    """Whether CUDA works behind the GPU job's sandbox layers, beside a control run without them;
+    where it does not, each layer alone, so the report names the one that stops it."""
     import subprocess
 
     repo = str(Path(__file__).resolve().parent.parent)
     out: dict[str, Any] = {}
-    for mode in ("none", "layers"):
+
+    def probe(mode: str) -> dict[str, Any]:
         proc = subprocess.run([sys.executable, "-c", CUDA_PROBE, repo, str(tmp), mode],
                               capture_output=True, text=True, timeout=300)
         lines = proc.stdout.strip().splitlines()
         try:
-            out[mode] = json.loads(lines[-1]) if lines else {}
+            found = json.loads(lines[-1]) if lines else {}
         except json.JSONDecodeError:
-            out[mode] = {"stdout": proc.stdout[-2000:]}
-        out[mode].update(returncode=proc.returncode, stderr=proc.stderr[-2000:])
+            found = {"stdout": proc.stdout[-2000:]}
+        return {**found, "returncode": proc.returncode, "stderr": proc.stderr[-2000:]}
+
+    for mode in ("none", "layers"):
+        out[mode] = probe(mode)
+    if out["none"].get("cuda_ok") and not out["layers"].get("cuda_ok"):
+        out["each_layer_alone"] = {mode: bool(probe(mode).get("cuda_ok"))
+                                   for mode in ("seccomp", "landlock", "netns", "caps")}
     return out
 
 
