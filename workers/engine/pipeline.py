@@ -53,6 +53,7 @@ from fxport.workers.engine.load import LoadedModel, load_model
 from fxport.workers.engine.passes import PassContext, run_passes
 from fxport.workers.engine.request import DeferredTarget, EngineRequest, TimingCachePaths
 from fxport.workers.engine.verify.comparator import SamplePoint, inconclusive_warnings, verify_artifacts
+from fxport.workers.engine.verify.runners import ReferenceOutputs
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -211,19 +212,22 @@ def _convert(run: _Run) -> None:
     with run.stage("capture"):
         captured, capture_failure = _capture(run, loaded, sig, spec)
     example = sig.make_inputs(sig.export_point(), seed=spec.verify.seed)
+    # Built once: the inputs every artifact is verified at, and the original model's outputs there,
+    # which the exporters' own checks (a trace run at other shapes) share with verification.
+    checks = _Checks(sig, spec, ReferenceOutputs(loaded.module))
     reduced: _Reduced | None = None
     trt_onnx: Path | None = None
     if captured is None:
         assert capture_failure is not None
-        written = _build_from_eager(run, loaded, sig, spec, out_dir, example, capture_failure)
+        written = _build_from_eager(run, loaded, sig, spec, out_dir, example, capture_failure, checks)
         if calibration_path is not None:  # the eager path is fp32 only
             run.warn("calibration data was given but precision is fp32: it was not used")
     else:
         written, reduced, trt_onnx = _build_from_graph(run, captured, loaded, sig, spec, out_dir, example,
-                                                       calibration_path)
+                                                       calibration_path, checks)
 
     with run.stage("verify"):
-        runners, records = _verify_stage(run, loaded, sig, spec, written, reduced)
+        runners, records = _verify_stage(run, sig, spec, written, reduced, checks)
 
     if spec.benchmark is not None:
         with run.stage("benchmark"):
@@ -240,12 +244,11 @@ def _convert(run: _Run) -> None:
     if request.builds_tensorrt and trt_onnx is not None:
         with run.stage("tensorrt"):
             from fxport.workers.engine.tensorrt.stage import build_stage
-            from fxport.workers.engine.verify.runners import EagerRunner
 
             trt_points = (_held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8
-                          else _sample_points(sig, spec))
+                          else checks.points)
             engine = build_stage(manifest, run.emit, onnx_path=trt_onnx, sig=sig, spec=spec, out_dir=out_dir,
-                                 reference=EagerRunner(loaded.module), reference_label="the original model (eager)",
+                                 reference=checks.reference, reference_label="the original model (eager)",
                                  points=trt_points, timing_cache=request.timing_cache)
             trt_scheme = reduced.scheme_of("tensorrt") if reduced else None
             manifest.artifacts.extend(_artifact_records("tensorrt", engine, out_dir, int8_scheme=trt_scheme))
@@ -271,7 +274,7 @@ def _capture(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: JobSpec
 
 
 def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: InputSignature, spec: JobSpec,
-                      out_dir: Path, example: tuple[Any, ...], calibration_path: Path | None
+                      out_dir: Path, example: tuple[Any, ...], calibration_path: Path | None, checks: _Checks
                       ) -> tuple[dict[str, Path], _Reduced | None, Path | None]:
     """passes → quantize → export, from the captured graph. Returns the artifacts written, the reduced-
     precision graphs (None for fp32) and the ONNX model a TensorRT engine would be built from."""
@@ -300,14 +303,14 @@ def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: I
             targets.append("onnx")  # the TensorRT engine is built from it
         if run.request.needs_tensorrt_onnx and reduced is not None and reduced.separate_tensorrt_onnx:
             targets.append(TENSORRT_ONNX)  # int8 for TensorRT is its own ONNX (symmetric), beside model.onnx
-        extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
         provenance = _provenance(manifest, spec)
         programs: dict[int, Any] = {}  # each graph's torch.export program, made once for every target
         for i, target in enumerate(targets):
             run.emit("export", i / max(len(targets), 1), target)
             job = ExportJob(graph=reduced.graph_for(target) if reduced else gm, module=loaded.module,
-                            example=example, sig=sig, spec=spec, extremes=extremes, precision=spec.precision,
-                            provenance=provenance, programs=programs)
+                            example=example, sig=sig, spec=spec, extremes=checks.trace_checks(),
+                            precision=spec.precision, provenance=provenance, programs=programs,
+                            reference=checks.reference.leaves)
             written[target], note, interface = _export_one(target, REGISTRY[target].from_graph, job, out_dir)
             if interface is not None:
                 manifest.outputs = interface["outputs"]
@@ -334,7 +337,7 @@ def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: I
 
 
 def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: JobSpec, out_dir: Path,
-                      example: tuple[Any, ...], failure: CaptureFailed) -> dict[str, Path]:
+                      example: tuple[Any, ...], failure: CaptureFailed, checks: _Checks) -> dict[str, Path]:
     """No graph: TorchScript and ONNX from the eager model, every other target recorded as not built
     (manifest "failed_targets", with why). Raises CaptureFailed when not one artifact could be made."""
     manifest = run.manifest
@@ -350,7 +353,6 @@ def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec:
     written: dict[str, Path] = {}
     failed: list[FailedTarget] = []
     with run.stage("export", "from the eager model"):
-        extremes = [sig.make_inputs(dims, seed=spec.verify.seed) for dims in sig.shape_points()]
         provenance = _provenance(manifest, spec)
         for i, target in enumerate(spec.targets):
             run.emit("export", i / max(len(spec.targets), 1), target)
@@ -361,7 +363,8 @@ def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec:
                                                   "every rung is in capture.attempts)"))
                 continue
             job = ExportJob(graph=None, module=loaded.module, example=example, sig=sig, spec=spec,
-                            extremes=extremes, precision="fp32", provenance=provenance)
+                            extremes=checks.trace_checks(), precision="fp32", provenance=provenance,
+                            reference=checks.reference.leaves)
             try:
                 written[target], note, interface = _export_one(target, from_eager, job, out_dir)
             except FxportError as exc:
@@ -384,23 +387,22 @@ def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec:
     return written
 
 
-def _verify_stage(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: JobSpec, written: dict[str, Path],
-                  reduced: _Reduced | None) -> tuple[list[Any], list[dict[str, Any]]]:
+def _verify_stage(run: _Run, sig: InputSignature, spec: JobSpec, written: dict[str, Path],
+                  reduced: _Reduced | None, checks: _Checks) -> tuple[list[Any], list[dict[str, Any]]]:
     """Every artifact against the eager model. Raises VerificationFailed on a mismatch (unless the spec
     allows it); an inconclusive verdict is a warning. Returns the runners and the records."""
     from fxport.workers.engine.verify.precision import PrecisionComparison, tolerances_for
-    from fxport.workers.engine.verify.runners import EagerRunner
 
     manifest = run.manifest
     real_data = bool(reduced and reduced.calibration and reduced.calibration.info.get("source") == "file")
     tol = tolerances_for(spec, real_data=real_data)
     comparison = PrecisionComparison(tol) if reduced is not None else None
-    points = _held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8 else _sample_points(sig, spec)
+    points = _held_out_points(sig, spec, reduced) if reduced is not None and reduced.int8 else checks.points
     runners = _runners(written, sig)
     if reduced is not None and reduced.int8 is not None:
         runners = _int8_runners(run, reduced, runners)
     records = verify_artifacts(
-        EagerRunner(loaded.module), runners, points, tol.options,
+        checks.reference, runners, points, tol.options,
         on_runner=lambda name: run.emit("verify", 0.5, name),
         compare=comparison, finish=comparison.finish if comparison else None, output_names=spec.outputs,
     )
@@ -755,6 +757,26 @@ def _artifact_records(target: str, path: Path, out_dir: Path, *, int8_scheme: st
                        sha256=sha256_file(f)[0], **scheme)
         for f in files
     ]
+
+
+class _Checks:
+    """The sample inputs of one conversion, made once, and the original model's outputs there
+    (`reference`, computed on first use). The verify and TensorRT stages verify at `points`;
+    the exporters check a trace at `trace_checks()`, drawn from the same points."""
+
+    def __init__(self, sig: InputSignature, spec: JobSpec, reference: ReferenceOutputs) -> None:
+        self.sig, self.reference = sig, reference
+        self.points = _sample_points(sig, spec)
+
+    def trace_checks(self) -> list[tuple[Any, ...]]:
+        """One input at every distinct shape among the points but the export example's: a trace
+        is taken at the example's shape and is exact there; elsewhere it may have fixed a size."""
+        example, seen, out = self.sig.export_point(), [], []
+        for point in self.points:
+            if point.dims != example and point.dims not in seen:
+                seen.append(point.dims)
+                out.append(point.args)
+        return out
 
 
 def _sample_points(sig: InputSignature, spec: JobSpec) -> list[SamplePoint]:

@@ -37,6 +37,7 @@ class OnnxFromGraphModule:
         dynamic_axes: dict[str, dict[int, str]] | None = None,
         trace_checks: Sequence[tuple[Any, ...]] = (),
         trace_fallback: Any = None,
+        trace_reference: Callable[[tuple[Any, ...]], list[torch.Tensor]] | None = None,
         program: Callable[[], torch.export.ExportedProgram] | None = None,
     ) -> None:
         self.gm, self.example_inputs = gm, example_inputs
@@ -44,7 +45,7 @@ class OnnxFromGraphModule:
         self.opset, self.single_file = opset, single_file
         # below opset 18 only: the dynamic dims by input, and what the trace must run at (see torchscript.py)
         self.dynamic_axes, self.trace_checks = dynamic_axes or {}, list(trace_checks)
-        self.trace_fallback = trace_fallback
+        self.trace_fallback, self.trace_reference = trace_fallback, trace_reference
         # the graph's torch.export program when another exporter shares it (ExportJob.program)
         self.program = program
         self.note = ""
@@ -99,7 +100,7 @@ class OnnxFromGraphModule:
         from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
 
         tracer = TorchScriptFromGraphModule(self.gm, self.example_inputs, "trace", check_inputs=self.trace_checks,
-                                            fallback=self.trace_fallback)
+                                            fallback=self.trace_fallback, reference=self.trace_reference)
         scripted = tracer.script_module()
         self.note = tracer.note
         log = io.StringIO()

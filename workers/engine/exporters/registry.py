@@ -40,6 +40,8 @@ class ExportJob:
     extremes: list[tuple[Any, ...]]
     precision: str
     provenance: dict[str, str] = field(default_factory=dict)
+    # the original model's outputs at `extremes`, computed once and shared with verification (fp32)
+    reference: Callable[[tuple[Any, ...]], list[Any]] | None = None
     # torch.export programs of the graphs, shared by every ExportJob of one export stage: the .pt2
     # and the ONNX model (opset 18 and up) are both made from one, exported once (id(graph) → program)
     programs: dict[int, Any] = field(default_factory=dict)
@@ -93,10 +95,10 @@ def _torchscript(job: ExportJob, path: Path) -> tuple[Path, str]:
     from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
 
     # the original model is fp32: never a stand-in for an fp16 archive
+    fp32 = job.precision == "fp32"
     exporter = TorchScriptFromGraphModule(job.graph, job.example, job.spec.torchscript.method,
-                                          check_inputs=job.extremes,
-                                          fallback=job.module if job.precision == "fp32" else None,
-                                          extra_files=job.extra_files())
+                                          check_inputs=job.extremes, fallback=job.module if fp32 else None,
+                                          extra_files=job.extra_files(), reference=job.reference if fp32 else None)
     return exporter(path), exporter.note
 
 
@@ -125,7 +127,7 @@ def _onnx(job: ExportJob, path: Path) -> tuple[Path, str]:
         job.graph, job.example, input_names=[i.name for i in sig.inputs], dynamic_shapes=sig.dynamic_shapes(),
         opset=spec.onnx.opset, single_file=spec.onnx.single_file, dynamic_axes=_dynamic_axes(sig),
         trace_checks=job.extremes, trace_fallback=job.module if job.precision == "fp32" else None,
-        program=job.program,
+        trace_reference=job.reference if job.precision == "fp32" else None, program=job.program,
     )
     return exporter(path), exporter.note
 

@@ -27,9 +27,13 @@ class TorchScriptFromGraphModule:
 
     def __init__(self, gm: GraphModule, example_inputs: tuple[Any, ...], method: str = "trace", *,
                  check_inputs: Sequence[tuple[Any, ...]] = (), fallback: Any = None,
-                 extra_files: dict[str, str] | None = None) -> None:
+                 extra_files: dict[str, str] | None = None,
+                 reference: Callable[[tuple[Any, ...]], list[torch.Tensor]] | None = None) -> None:
         self.gm, self.example_inputs, self.method = gm, example_inputs, method
         self.check_inputs, self.fallback = list(check_inputs), fallback
+        # the original model's outputs at the check inputs, shared with verification (computed once);
+        # without it the graph's own outputs are computed here
+        self.reference = reference
         self.extra_files = dict(extra_files or {})
         self.note = ""
         self._expected: list[list[Any]] | None = None
@@ -103,7 +107,9 @@ class TorchScriptFromGraphModule:
         return None
 
     def _expected_outputs(self) -> list[list[Any]]:
-        """The graph's outputs at the check inputs, computed once for every candidate."""
+        """The reference's (or the graph's) outputs at the check inputs, computed once for every candidate."""
+        if self._expected is None and self.reference is not None:
+            self._expected = [self.reference(args) for args in self.check_inputs]
         if self._expected is None:
             self._expected = []
             for args in self.check_inputs:
