@@ -195,6 +195,22 @@ def cuda_behind_sandbox(tmp: Path) -> dict[str, Any]:
     return out
 
 
+def eager_latency() -> dict[str, Any]:
+    """Eager torch on the GPU, ResNet-18 fp32 and fp16, at each latency batch (median ms)."""
+    import torch
+
+    from tests.models import get
+
+    case = get("resnet18")
+    eager, eager_half = case.build().cuda().eval(), case.build().cuda().eval().half()
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for b in LATENCY_BATCHES:
+            x = torch.randn(b, 3, 224, 224, device="cuda")
+            out[f"batch{b}"] = {"fp32": gpu_ms(lambda: eager(x)), "fp16": gpu_ms(lambda: eager_half(x.half()))}
+    return out
+
+
 def warm_up_process(tmp: Path) -> None:
     """Build one tiny engine first, so the cold build below times the model, not CUDA/TensorRT start-up."""
     import onnx
@@ -227,22 +243,10 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="fxport-gpu-probe-") as probe_tmp:
         report.data["cuda_behind_sandbox"] = report.step("cuda_behind_sandbox",
                                                          lambda: cuda_behind_sandbox(Path(probe_tmp)))
+    # eager torch on the GPU, the baseline for every precision
+    eager_ms: dict[str, Any] = report.step("eager_latency", eager_latency) or {}
+    report.data["eager_torch_ms"] = eager_ms
     if env.get("tensorrt") is None:
-        import torch
-
-        from tests.models import get
-
-        eager = get("resnet18").build().cuda().eval()
-        eager_ms: dict[str, Any] = {}
-        report.data["eager_torch_ms"] = eager_ms
-
-        def time_eager_only() -> None:
-            with torch.no_grad():
-                for b in LATENCY_BATCHES:
-                    x = torch.randn(b, 3, 224, 224, device="cuda")
-                    eager_ms[f"batch{b}"] = {"fp32": gpu_ms(lambda: eager(x))}
-
-        report.step("eager_latency", time_eager_only)
         report.data["status"] = f"no TensorRT: {env['tensorrt_import_error']}; engine steps not run"
         report.data["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         report.save()
@@ -267,20 +271,6 @@ def main(argv: list[str]) -> int:
         report.step("warm_up", lambda: warm_up_process(tmp))
         pt2 = save_pt2(case, tmp / "resnet18.pt2")
 
-        # eager torch on the GPU, the baseline for every precision
-        eager = case.build().cuda().eval()
-        eager_half = case.build().cuda().eval().half()
-        eager_ms: dict[str, Any] = {}
-        report.data["eager_torch_ms"] = eager_ms
-
-        def time_eager() -> None:
-            with torch.no_grad():
-                for b in LATENCY_BATCHES:
-                    x = torch.randn(b, 3, 224, 224, device="cuda")
-                    eager_ms[f"batch{b}"] = {"fp32": gpu_ms(lambda: eager(x)),
-                                             "fp16": gpu_ms(lambda: eager_half(x.half()))}
-
-        report.step("eager_latency", time_eager)
 
         for precision in PRECISIONS:
             row: dict[str, Any] = {}
