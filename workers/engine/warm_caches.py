@@ -1,10 +1,16 @@
-"""Two per-process caches that torch 2.13 does not keep, kept here (issue 24: no work twice).
+"""Per-process caches that torch 2.13 does not keep, kept here (issue 24: no work twice).
 
 - The ONNX exporter builds its op registry from onnxscript's torchlib on every export
   (`ONNXRegistry.from_torchlib`: 505 ops, about 0.5 s each time on a 2-core AMD EPYC VM, 1.0 s
   the first time). Built once per opset and copied per export (the copy is the exporter's to add
   custom ops to), it costs a fraction of a millisecond; the warm zygote builds it before it
   forks, so a job's child never does.
+- From that registry it then builds the table of decompositions for the ops ONNX lacks
+  (`_decomp.create_onnx_friendly_decomposition_table`: 1,205 entries, 65 ms each export on the
+  same VM, 170 ms the first time). It depends on the set of ops the registry implements and on
+  torch's own decompositions, which grow only when an op library is loaded (a model's custom
+  ops). It is built once per (set, number of ops torch knows, number of decompositions) and
+  copied per export.
 - Reading a `.pt2` (`torch.export.load`) resolves the type hints of the serialized schema's
   dataclasses once per node: ~6,000 `typing.get_type_hints` calls for a ResNet-18, a third of
   the load. They depend only on the class, so they are resolved once per class.
@@ -24,8 +30,10 @@ log = logging.getLogger(__name__)
 
 
 def cache_onnx_registry() -> None:
-    """Install the ONNX op registry cache in this process (once; before an ONNX export)."""
+    """Install the ONNX op registry and decomposition-table caches in this process (once; before
+    an ONNX export)."""
     _install("ONNX op registry", _cache_onnx_registry)
+    _install("ONNX decomposition table", _cache_onnx_decompositions)
 
 
 def cache_pt2_type_hints() -> None:
@@ -90,6 +98,53 @@ def registry_cache() -> _RegistryCache | None:
     method = _registration.ONNXRegistry.__dict__.get("from_torchlib")
     func = getattr(method, "__func__", None)
     return func if isinstance(func, _RegistryCache) else None
+
+
+class _DecompositionTableCache:
+    """`create_onnx_friendly_decomposition_table` built once per set of ONNX-implemented ops;
+    every call returns a new dict (the export may change the one it is given)."""
+
+    def __init__(self, build: Any) -> None:
+        self.build = build
+        self.built: dict[tuple[frozenset[Any], int, int], dict[Any, Any]] = {}
+        self.builds = 0  # how many times the table was really built (tests read it)
+
+    def __call__(self, onnx_registered_ops: Any) -> dict[Any, Any]:
+        import torch
+
+        # a model that loads an op library (custom ops, their decompositions) changes the counts
+        key = (frozenset(onnx_registered_ops), len(torch._C._dispatch_get_all_op_names()),
+               len(torch._decomp.decomposition_table))
+        table = self.built.get(key)
+        if table is None:
+            self.builds += 1
+            table = self.built[key] = self.build(onnx_registered_ops)
+        return dict(table)
+
+
+def _cache_onnx_decompositions() -> bool:
+    import torch
+    from torch.onnx._internal.exporter import _decomp, _fx_passes
+
+    current = getattr(_decomp, "create_onnx_friendly_decomposition_table", None)
+    # the exporter must look the name up on the module at each call, as 2.13's _fx_passes does
+    if not callable(current) or getattr(_fx_passes, "_decomp", None) is not _decomp:
+        return False
+    if not hasattr(torch._C, "_dispatch_get_all_op_names") or not hasattr(torch._decomp, "decomposition_table"):
+        return False
+    if isinstance(current, _DecompositionTableCache):
+        return True
+    patched: Any = _decomp  # a private name of torch's, replaced
+    patched.create_onnx_friendly_decomposition_table = _DecompositionTableCache(current)
+    return True
+
+
+def decomposition_cache() -> _DecompositionTableCache | None:
+    """The installed decomposition-table cache, if any."""
+    from torch.onnx._internal.exporter import _decomp
+
+    found = getattr(_decomp, "create_onnx_friendly_decomposition_table", None)
+    return found if isinstance(found, _DecompositionTableCache) else None
 
 
 class _TypingWithCachedHints:
