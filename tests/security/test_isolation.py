@@ -172,6 +172,37 @@ def test_no_unix_socket_reaches_the_object_store(iso: IsolationStack):
     iso.bob_converts()
 
 
+def test_asking_for_a_tensorrt_engine_gives_the_model_no_socket(iso: IsolationStack):
+    """A GPU job's child may make AF_UNIX sockets of its own (CUDA needs them; still no connect
+    or send). A tenant who asks for a TensorRT engine must not get that for its model's code:
+    the model runs only in the job's CPU stage, whose child has the CPU job's filter (the GPU
+    stage builds the engine from the ONNX file the CPU stage made, and runs no model code)."""
+    sockets = [str(p) for p in (Path(iso.s3.base) / "tmp").glob("*.sock")]
+    assert sockets, "SeaweedFS made no unix socket to try"
+    spec = {**PACKAGE_SPEC, "targets": ["onnx", "tensorrt"]}
+    job = run_probe(iso, "tensorrt_sockets", payload(textwrap.dedent(f"""
+        for name, make in (("unix", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)),
+                           ("pair", socket.socketpair),
+                           ("abstract", lambda: socket.socket(socket.AF_UNIX).bind(b"\\0fxport-probe"))):
+            try:
+                make()
+                report.append("MADE " + name)
+            except OSError as exc:
+                report.append(f"refused {{name}}: {{exc.strerror}}")
+        for path in {sockets!r}:
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(path)
+                report.append("CONNECTED " + path)
+            except OSError as exc:
+                report.append(f"refused {{path}}: {{exc.strerror}}")
+    """)), spec)
+    text = error_text(job)
+    assert "PAYLOAD RAN" in text and "MADE" not in text and "CONNECTED" not in text, text
+    assert text.count("refused") == 3 + len(sockets) and "Operation not permitted" in text, text
+    iso.bob_converts()
+
+
 # ------------------------------------------------------------------ 2. reads
 
 

@@ -30,7 +30,8 @@ RUNS_PAST_RANGE = "runs (not verified): the artifact has no range of its own"
 @dataclass(frozen=True)
 class ExportJob:
     """What every exporter may need: the graph (None on the eager path), the model itself, the
-    example and the shape extremes a trace is checked at, the spec, and the provenance to embed."""
+    example and the inputs at other shapes a trace is checked at (`extremes`: verification's own
+    inputs there), the spec, and the provenance to embed."""
 
     graph: Any
     module: Any

@@ -22,7 +22,8 @@ class TorchScriptFromGraphModule:
     graph's code is scripted instead (torchscript_script.py), which keeps `sym_size` a call and
     the graph passes applied. Where that fails too and `fallback` (the original eager model) is
     given, the archive is traced from it and `self.note` says so: same function, without the
-    graph passes. Each candidate must run at every check input and agree with `gm` there.
+    graph passes. Each candidate must run at every check input and agree there with `reference`
+    (the original model's outputs, shared with verification) or, without one, with `gm`.
     """
 
     def __init__(self, gm: GraphModule, example_inputs: tuple[Any, ...], method: str = "trace", *,
