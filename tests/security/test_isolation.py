@@ -25,6 +25,7 @@ from fxport.client import Client
 from fxport.service.auth import new_token, token_entry
 from tests.fixtures.servers import (
     ManagedProcess,
+    descendants,
     distributed_env,
     pool_children,
     scaled,
@@ -363,6 +364,46 @@ def test_nothing_the_zygote_holds_is_shared_with_the_next_job(iso: IsolationStac
     fds = {int(k): v for k, v in found["fds"].items()}
     assert fds[0] == "/dev/null" and all(f"fxport-job-{job.id}-" in fds[fd] for fd in fds if fd > 0), fds
     assert any(target.endswith("/events") for target in fds.values()), fds
+    iso.bob_converts()
+
+
+def test_the_spare_that_will_run_the_next_job_is_out_of_reach(iso: IsolationStack):
+    """The zygote forks the next job's child while this one runs (sandbox/spare.py): during
+    alice's job, the spare that bob's job will run in waits beside it, not yet confined. Her
+    model looks for it among the pids after its own and asks to signal each process it finds
+    (signal 0: only the permission is tested) and to open its memory. Every process outside
+    her own is refused; the spare was among them; bob's job, run in that spare, converts."""
+    job = run_probe(iso, "spare_reach", textwrap.dedent("""
+        import json
+        me = os.getpid()
+        mine = {int(tid) for tid in os.listdir("/proc/self/task")}
+        refused, reached = [], []
+        for pid in range(max(2, me - 2000), me + 2000):
+            if pid in mine:
+                continue
+            try:
+                os.kill(pid, 0)
+                reached.append(f"{pid} signal")
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                if pid > me and len(refused) < 100:
+                    refused.append(pid)
+            try:
+                open(f"/proc/{pid}/mem", "rb").close()
+                reached.append(f"{pid} memory")
+            except OSError:
+                pass
+        print("FOUND " + json.dumps({"refused": refused, "reached": reached}), flush=True)
+        os._exit(0)
+    """))
+    assert job.state == "FAILED"
+    found = json.loads(error_text(job).split("FOUND ", 1)[1].splitlines()[0])
+    zygote = next(pid for pid in descendants(iso.worker.pid)
+                  if b"fxport.workers.sandbox.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    (spare,) = descendants(zygote)  # alice's child has exited: what waits is bob's spare
+    assert found["reached"] == [], found
+    assert spare in found["refused"], (spare, found)
     iso.bob_converts()
 
 

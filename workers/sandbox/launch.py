@@ -45,6 +45,11 @@ SANDBOX_MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold=33554432:glibc.malloc.tr
 # of ~85k. A tiny job's fork, run and exit: see docs/benchmarks.md, "Sandbox overhead".
 SANDBOX_HUGE_PAGES = True
 
+# The zygote keeps one child forked ahead of the next job, with the copy-on-write faults of a
+# conversion already taken (sandbox/spare.py): a tiny job's overhead in the sandbox fell from
+# ~60 ms to ~30 ms (docs/benchmarks.md, "Sandbox overhead"). It holds ~35 MiB while it waits.
+SANDBOX_SPARE = True
+
 # libgomp (torch's OpenMP) lets a thread that finds no work spin 300,000 times before it
 # sleeps. When another process holds a core, torch's second thread then spins for it while the
 # first waits: ResNet-18 at 2 threads ran 1.5x slower than at 1 beside one busy process, and
@@ -146,8 +151,8 @@ class _ColdLaunch:
 
 
 class _WarmLaunch:
-    def __init__(self, zygote: WarmSandbox, job: int, pid: int) -> None:
-        self.zygote, self.job, self.pid = zygote, job, pid
+    def __init__(self, zygote: WarmSandbox, job: int, pid: int, forked_ahead: bool) -> None:
+        self.zygote, self.job, self.pid, self.forked_ahead = zygote, job, pid, forked_ahead
         self.pidfd = _pidfd(pid)
 
     def wait(self, timeout: float) -> int:
@@ -200,8 +205,8 @@ class WarmSandbox:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
         self._next = 0
-        self._started: dict[int, tuple[threading.Event, list[int]]] = {}
-        self._exited: dict[int, tuple[threading.Event, list[int]]] = {}
+        self._started: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self._exited: dict[int, tuple[threading.Event, list[Any]]] = {}
         self.ready: dict[str, Any] = {}  # the zygote's start-up report: its threads, its huge pages
 
     def _ensure(self) -> subprocess.Popen[str]:
@@ -209,7 +214,8 @@ class WarmSandbox:
             return self._proc
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "fxport.workers.sandbox.zygote"], cwd="/",
-            env={**scrubbed_env(), "FXPORT_SANDBOX_HUGE_PAGES": "1" if SANDBOX_HUGE_PAGES else "0"},
+            env={**scrubbed_env(), "FXPORT_SANDBOX_HUGE_PAGES": "1" if SANDBOX_HUGE_PAGES else "0",
+                 "FXPORT_SANDBOX_SPARE": "1" if SANDBOX_SPARE else "0"},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
             start_new_session=True,
         )
@@ -220,9 +226,12 @@ class WarmSandbox:
             raise RuntimeError("the warm sandbox did not start")
         self.ready = json.loads(ready)
         huge = self.ready.get("huge_pages") or {}
+        spare = self.ready.get("spare") or {}
         log.info("warm sandbox ready (pid %d): %s MiB of its memory on huge pages after %s s of collapsing, "
-                 "%s range(s) refused in whole or part", self._proc.pid, huge.get("huge_mib", 0),
-                 huge.get("seconds", 0), huge.get("refused", 0))
+                 "%s range(s) refused in whole or part; spare children %s", self._proc.pid, huge.get("huge_mib", 0),
+                 huge.get("seconds", 0), huge.get("refused", 0),
+                 f"write {spare['mib']} MiB ahead of each job (learned in {spare['seconds']} s)" if "mib" in spare
+                 else f"off ({spare.get('error', 'FXPORT_SANDBOX_SPARE=0')})")
         threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
         return self._proc
 
@@ -234,13 +243,15 @@ class WarmSandbox:
             with self._lock:
                 event, box = table.setdefault(msg["job"], (threading.Event(), []))
             box.append(msg.get("started", msg.get("status")))
+            if "started" in msg:
+                box.append(bool(msg.get("spare")))
             event.set()
         # the zygote died: wake every waiter with a failure status
         with self._lock:
             for table in (self._started, self._exited):
                 for event, box in table.values():
                     if not event.is_set():
-                        box.append(-int(signal.SIGKILL))
+                        box += [-int(signal.SIGKILL), False]
                         event.set()
 
     def launch(self, request_path: Path, env: dict[str, str], log_path: Path,
@@ -260,7 +271,7 @@ class WarmSandbox:
         event, box = self._started[job]
         if not event.wait(30) or box[0] < 0:
             raise RuntimeError("the warm sandbox could not fork a job")
-        return _WarmLaunch(self, job, box[0])
+        return _WarmLaunch(self, job, box[0], box[1])
 
     def wait(self, job: int, timeout: float) -> int:
         event, box = self._exited[job]

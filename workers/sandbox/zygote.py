@@ -1,7 +1,8 @@
 """The warm sandbox parent: imports the ML stack once, then forks one child per job.
 
 Protocol (JSON lines): stdin `{"job", "request", "log", "env", "deadline_s"}`; stdout
-`{"job", "started": pid}` then `{"job", "status": exit code or -signal}`. A child still running
+`{"job", "started": pid, "spare": whether its child was forked and ready before the job came
+(sandbox/spare.py)}` then `{"job", "status": exit code or -signal}`. A child still running
 `deadline_s` after its fork is killed (a backstop: its worker normally stops it first).
 It is started with the scrubbed environment and never runs a torch op itself, so its children
 inherit no credentials and no busy thread pool. It also keeps no state a child could share
@@ -25,7 +26,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 _out_lock = threading.Lock()
 PARENT = os.getppid()
@@ -37,7 +39,7 @@ def _say(msg: dict) -> None:
         sys.stdout.flush()
 
 
-def _child(req: dict, zygote: int) -> None:
+def _child(req: dict, zygote: int) -> NoReturn:
     """In the forked child: never returns."""
     code = 70
     try:
@@ -218,6 +220,26 @@ def _anon_huge_pages_mib() -> int:
     return 0
 
 
+def probe_job(tmp: str) -> Callable[[], object]:
+    """The smallest job a worker runs (a Linear layer to TorchScript, verified), its model saved
+    here: what the returned conversion writes, every job's child writes (sandbox/spare.py)."""
+    from pathlib import Path
+
+    import torch
+
+    from fxport.spec import parse_spec
+    from fxport.workers.engine.pipeline import convert
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    dim = torch.export.Dim("batch", min=1, max=4)
+    model = Path(tmp) / "probe.pt2"
+    torch.export.save(torch.export.export(net, (torch.zeros(2, 8),), dynamic_shapes=({0: dim},)), model)
+    spec = parse_spec({"inputs": [{"name": "input", "shape": ["batch", 8], "dtype": "float32"}],
+                       "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 4}},
+                       "targets": ["torchscript"], "verify": {"samples": 2}})
+    return lambda: convert(model, spec, Path(tmp) / "out", job_id="probe")
+
+
 def main() -> None:
     # onnxruntime's telemetry keeps a database open read-write in $HOME: never in the zygote.
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
@@ -231,6 +253,7 @@ def main() -> None:
     import fxport.workers.engine.pipeline  # noqa: F401
     import fxport.workers.sandbox.child  # noqa: F401
     from fxport.workers.sandbox.confine import _ARCHES, python_read_paths, seccomp_program
+    from fxport.workers.sandbox.spare import Runs, Spare, learn_pages
 
     python_read_paths()  # what every child's Landlock rules grant, and its seccomp filter: made once here
     if platform.machine() in _ARCHES:
@@ -259,20 +282,38 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     huge = collapse_to_huge_pages() if os.environ.get("FXPORT_SANDBOX_HUGE_PAGES", "1") != "0" else {}
+    pages: Runs | None = None
+    learned: dict[str, Any] = {}
+    if os.environ.get("FXPORT_SANDBOX_SPARE", "1") != "0":
+        with tempfile.TemporaryDirectory() as tmp:
+            pages, learned = learn_pages(probe_job(tmp))
+    spare = Spare(pages, _child)
     # Threads the imports start (torch's and onnxruntime's own) stay idle; a fork copies only this one.
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    _say({"ready": True, "threads": threads, "huge_pages": huge})
+    _say({"ready": True, "threads": threads, "huge_pages": huge, "spare": learned})
     # Until the worker closes our stdin (it ended, or closed the sandbox): then this process
     # exits, and every child still running dies with it (confine.die_with_parent).
-    for line in sys.stdin:
-        req = json.loads(line)
-        sys.stdout.flush()
-        zygote = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            _child(req, zygote)
-        _say({"job": req["job"], "started": pid})
+    zygote = os.getpid()
+    req: dict | None = None
+    while True:
+        spare.ensure()  # the next job's child, forked ahead of it: the one place a spare is forked
+        if req is None:
+            line = sys.stdin.readline()
+            if not line:
+                break
+            req = json.loads(line)
+        if spare.pages is not None:
+            handed = spare.hand(req)
+            if handed is None:
+                continue  # that spare died: the next one takes this job
+            pid, ahead = handed
+        else:  # spares off
+            ahead, pid = False, os.fork()
+            if pid == 0:
+                _child(req, zygote)
+        _say({"job": req["job"], "started": pid, "spare": ahead})
         threading.Thread(target=_reap, args=(req["job"], pid, req.get("deadline_s")), daemon=True).start()
+        req = None
 
 
 if __name__ == "__main__":

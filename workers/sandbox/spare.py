@@ -1,0 +1,207 @@
+"""The spare child: forked ahead of the next job, with a conversion's copy-on-write faults taken.
+
+A child forked from the zygote shares the zygote's memory and copies each page the first time it
+writes to it. CPython writes to every object it touches (reference counts), so the smallest job
+copies ~9,500 pages (37 MiB) as it runs, and ran about twice as slow in the child as in-process
+(docs/benchmarks.md, "Sandbox overhead"). The CPU those faults cost is the same whenever they
+are taken; what a job waits for is when.
+
+So the zygote learns once which of its pages a conversion writes (`learn_pages`: a probe child
+runs the smallest job on fxport's own model and reads /proc/self/pagemap for the pages it now
+holds alone), and keeps one `Spare`: a child forked ahead of the next job that writes those
+pages at once (madvise MADV_POPULATE_WRITE), says it is ready, and blocks for its request. The
+job that takes it starts with its faults taken and no fork to wait for; the zygote then forks
+the next spare while that job runs. A job that comes while no spare is ready waits for the next
+one: a child forked for it alone would take the same faults during the job.
+
+Until its request arrives a spare runs only this module; from then on it is a job's child like
+any other (zygote._child: it closes every descriptor it inherited, applies the layers, reports
+them). The page list comes from the probe, never from a job's child, and nothing a job's child
+does reaches a later spare: each is forked from the zygote, not from a child. While a job runs,
+the spare that will run the next one waits beside it unconfined; the job's child cannot reach
+it: no ptrace or process_vm_* (seccomp), no /proc/<pid> but its own and no signal outside its
+own Landlock domain (tests/security/test_isolation.py tries, from inside a real job).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+PM_PRESENT, PM_EXCLUSIVE = 1 << 63, 1 << 56  # /proc/pid/pagemap: mapped by this process alone (Linux 4.2+)
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; an older kernel refuses it and the spare only saves the fork
+
+# How long a job waits for a spare to be ready (writing its pages takes tens of milliseconds;
+# a child forked without them would take the same faults during the job). A spare not ready by
+# then is killed and another forked; after MAX_FAILURES in a row, spares are turned off. All of
+# it stays well within the 30 s the worker waits for the zygote to start a job (launch.py).
+READY_WAIT_S = 5.0
+MAX_FAILURES = 3
+
+Runs = list[tuple[int, int]]  # (start address, bytes)
+
+
+def private_writable_ranges(maps: str = "/proc/self/maps") -> Runs:
+    """This process's private writable mappings (anonymous memory, the heap, libraries' data):
+    what a forked child shares copy-on-write. As (start, end)."""
+    ranges = []
+    with open(maps) as f:
+        for line in f:
+            fields = line.split()
+            perms = fields[1]
+            if perms.startswith("rw") and perms[3] == "p":
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((lo, hi))
+    return ranges
+
+
+def exclusive_runs(ranges: Runs, pagemap: str = "/proc/self/pagemap") -> Runs:
+    """(start, bytes) runs of the pages within `ranges` that are present and mapped by this
+    process alone: in a forked child, the pages it has written since the fork (copied, or new)."""
+    runs: Runs = []
+    with open(pagemap, "rb", buffering=0) as f:
+        for lo, hi in ranges:
+            f.seek(lo // PAGE * 8)
+            entries = memoryview(f.read((hi - lo) // PAGE * 8)).cast("Q")
+            start = None
+            for i, entry in enumerate(entries):
+                mine = entry & PM_PRESENT and entry & PM_EXCLUSIVE
+                if mine and start is None:
+                    start = i
+                elif not mine and start is not None:
+                    runs.append((lo + start * PAGE, (i - start) * PAGE))
+                    start = None
+            if start is not None:
+                runs.append((lo + start * PAGE, (len(entries) - start) * PAGE))
+    return runs
+
+
+def learn_pages(probe: Callable[[], object]) -> tuple[Runs | None, dict[str, Any]]:
+    """Fork a probe child that runs `probe` (a conversion of fxport's own model) and reports the
+    zygote's pages it wrote. Returns (runs or None when it failed, a summary for the log)."""
+    started = time.monotonic()
+    ranges = private_writable_ranges()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            probe()
+            with os.fdopen(w, "wb") as out:
+                out.write(json.dumps(exclusive_runs(ranges)).encode())
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    seconds = round(time.monotonic() - started, 3)
+    if status != 0:
+        return None, {"error": f"the probe ended with status {os.waitstatus_to_exitcode(status)}", "seconds": seconds}
+    runs = [(int(a), int(n)) for a, n in json.loads(data)]
+    return runs, {"pages": sum(n for _, n in runs) // PAGE, "mib": round(sum(n for _, n in runs) / (1 << 20), 1),
+                  "runs": len(runs), "seconds": seconds}
+
+
+def write_pages(runs: Runs) -> int:
+    """Take the write faults of `runs` now; returns how many runs the kernel refused (a range
+    unmapped since, or a kernel before 5.14)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return sum(libc.madvise(start, length, MADV_POPULATE_WRITE) != 0 for start, length in runs)
+
+
+class Spare:
+    """The zygote's one spare child (none while `pages` is None: spares are off).
+
+    Every job's child is forked by `ensure`, called from one place in the zygote: a child's
+    stack at the fork is part of what it runs with (TorchScript records the Python stack of each
+    traced call in the artifact), so a job's artifact is the same whichever spare ran it."""
+
+    def __init__(self, pages: Runs | None, run_job: Callable[[dict[str, Any], int], NoReturn]) -> None:
+        self.pages, self.run_job = pages, run_job
+        self.pid: int | None = None
+        self.failures = 0
+        self._request_w = self._ready_r = -1
+
+    def ensure(self) -> None:
+        """Fork the next spare, unless one is waiting (or spares are off)."""
+        if self.pages is None or self.pid is not None:
+            return
+        request_r, request_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        zygote = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            os.close(request_w)
+            os.close(ready_r)
+            self.run_job(_wait_for_job(zygote, self.pages, request_r, ready_w), zygote)
+        os.close(request_r)
+        os.close(ready_w)
+        self.pid, self._request_w, self._ready_r = pid, request_w, ready_r
+
+    def hand(self, request: dict[str, Any]) -> tuple[int, bool] | None:
+        """Give `request` to the spare once it is ready: (its pid, whether it was ready before
+        the request came). None when it died or never got ready (it is gone then: `ensure`
+        forks another)."""
+        assert self.pid is not None
+        pid, self.pid = self.pid, None
+        handed = ahead = False
+        try:
+            ready = select.poll()
+            ready.register(self._ready_r, select.POLLIN)
+            ahead = bool(ready.poll(0))
+            if (ahead or ready.poll(READY_WAIT_S * 1000)) and os.read(self._ready_r, 1) == b"r":
+                os.write(self._request_w, json.dumps(request).encode() + b"\n")
+                handed = True
+        except OSError:  # it died meanwhile (a broken pipe)
+            pass
+        finally:
+            os.close(self._request_w)
+            os.close(self._ready_r)
+        if handed:
+            self.failures = 0
+            return pid, ahead
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        self.failures += 1
+        if self.failures >= MAX_FAILURES:
+            self.pages = None  # the zygote forks each job's child itself from now on
+        return None
+
+
+def _wait_for_job(zygote: int, pages: Runs, request_r: int, ready_w: int) -> dict[str, Any]:
+    """In the spare: write the pages, say so, and block until the zygote sends a request (one
+    line; a child forked meanwhile may hold the pipe open, so it never waits for its end)."""
+    try:
+        from fxport.workers.sandbox.confine import die_with_parent
+
+        die_with_parent(zygote)
+        write_pages(pages)
+        os.write(ready_w, b"r")
+        os.close(ready_w)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = os.read(request_r, 1 << 16)
+            if not chunk:  # the zygote closed it: no job for this spare
+                os._exit(0)
+            data += chunk
+        os.close(request_r)
+        return json.loads(data)
+    except BaseException:
+        os._exit(70)
