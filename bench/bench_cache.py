@@ -858,8 +858,8 @@ The two cores are the limit: CPU time of every process during the run —
 At {per_job_ms:.0f} CPU-ms per job two fully busy cores give at most {2000 / per_job_ms:.1f} jobs/s.
 Each worker's share includes its sandbox child: the conversion alone takes {tiny['in_process'] * 1000:.0f} ms
 in-process ({tiny['stages'] * 1000:.0f} ms in the engine's stages, the rest writing manifest.json and
-report.html) and {tiny['sandboxed'] * 1000:.0f} ms in a warm sandbox (fork of a ~0.5 GB zygote, limits,
-result hand-over, exit). The rest of a worker's share is the job's bookkeeping (Celery, the job
+report.html) and {tiny['sandboxed'] * 1000:.0f} ms in a warm sandbox (a child the ~0.5 GB zygote forked
+ahead of the job with its copy-on-write faults taken, limits, result hand-over, exit). The rest of a worker's share is the job's bookkeeping (Celery, the job
 lease, record updates, fetching the model and storing 4 objects in S3); the API's is CheckUpload,
 SubmitJob, the cache lookups and WatchJob.
 """  # noqa: E501 - a markdown report: its table rows and paragraphs are single lines on purpose
