@@ -16,7 +16,7 @@ import pytest
 from fxport.spec import parse_spec
 from fxport.workers.engine.request import EngineRequest
 from fxport.workers.sandbox import launch, run_engine_job
-from fxport.workers.sandbox.spare import PAGE, exclusive_runs, write_pages
+from fxport.workers.sandbox.spare import PAGE, Pages, exclusive_runs, take_faults
 from tests.fixtures.servers import descendants, process_state, wait_until
 from tests.workers.test_sandbox import SPEC, hostile_package
 
@@ -67,19 +67,33 @@ def test_a_forked_child_holds_alone_exactly_the_pages_it_wrote(shared_pages) -> 
     assert region[2 * PAGE] == 3  # the parent's copy is untouched
 
 
-def test_a_spare_takes_the_faults_ahead_and_changes_no_byte(shared_pages) -> None:  # noqa: ANN001
-    """`write_pages` (MADV_POPULATE_WRITE) copies the pages into the child as a write would,
-    without writing: the child then holds them alone, with the parent's contents."""
+def test_a_spare_takes_the_faults_ahead_and_changes_no_byte(shared_pages, tmp_path: Path) -> None:  # noqa: ANN001
+    """`take_faults` copies the pages into the child as a write would, without writing
+    (MADV_POPULATE_WRITE): the child then holds them alone, with the parent's contents. And it
+    maps file pages (code) the child has not touched yet (MADV_POPULATE_READ)."""
     region, address = shared_pages
+    code = tmp_path / "code.bin"
+    code.write_bytes(bytes(range(256)) * (4 * PAGE // 256))
+    with code.open("rb") as f:
+        text = mmap.mmap(f.fileno(), 4 * PAGE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    text_address = next(int(line.split("-", 1)[0], 16) for line in Path("/proc/self/maps").read_text().splitlines()
+                        if line.endswith(str(code)))
 
     def populate() -> list:
-        refused = write_pages([(address + PAGE, 3 * PAGE)])
-        return [refused, exclusive_runs([(address, address + 8 * PAGE)]), [region[i * PAGE] for i in range(8)]]
+        file_before = exclusive_runs([(text_address, text_address + 4 * PAGE)], alone=False)
+        refused = take_faults(Pages(write=[(address + PAGE, 3 * PAGE)], read=[(text_address + PAGE, 2 * PAGE)]))
+        return [refused, exclusive_runs([(address, address + 8 * PAGE)]), [region[i * PAGE] for i in range(8)],
+                file_before, exclusive_runs([(text_address, text_address + 4 * PAGE)], alone=False), text[PAGE]]
 
-    refused, held, contents = _in_child(populate)
-    assert refused == 0, "this kernel refused MADV_POPULATE_WRITE (Linux 5.14+)"
+    refused, held, contents, file_before, file_after, byte = _in_child(populate)
+    assert refused == 0, "this kernel refused MADV_POPULATE_WRITE or _READ (Linux 5.14+)"
     assert held == [[address + PAGE, 3 * PAGE]]
     assert contents == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert file_before == []  # a fork maps none of the parent's file pages
+    # pages 1 and 2 mapped (the kernel may map their neighbours with them: fault-around)
+    assert any(start <= text_address + PAGE and start + n >= text_address + 3 * PAGE for start, n in file_after), \
+        file_after
+    assert byte == 0
 
 
 def _zygote_children(zygote_pid: int) -> list[int]:

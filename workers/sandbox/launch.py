@@ -45,8 +45,8 @@ SANDBOX_MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold=33554432:glibc.malloc.tr
 # of ~85k. A tiny job's fork, run and exit: see docs/benchmarks.md, "Sandbox overhead".
 SANDBOX_HUGE_PAGES = True
 
-# The zygote keeps one child forked ahead of the next job, with the copy-on-write faults of a
-# conversion already taken (sandbox/spare.py): a tiny job's overhead in the sandbox fell from
+# The zygote keeps one child forked ahead of the next job, with the page faults of a conversion
+# already taken (sandbox/spare.py): a tiny job's overhead in the sandbox fell from
 # ~60 ms to ~30 ms (docs/benchmarks.md, "Sandbox overhead"). It holds ~35 MiB while it waits.
 SANDBOX_SPARE = True
 
@@ -230,7 +230,8 @@ class WarmSandbox:
         log.info("warm sandbox ready (pid %d): %s MiB of its memory on huge pages after %s s of collapsing, "
                  "%s range(s) refused in whole or part; spare children %s", self._proc.pid, huge.get("huge_mib", 0),
                  huge.get("seconds", 0), huge.get("refused", 0),
-                 f"write {spare['mib']} MiB ahead of each job (learned in {spare['seconds']} s)" if "mib" in spare
+                 f"write {spare['mib']} MiB and map {spare['code_mib']} MiB of code ahead of each job "
+                 f"(learned in {spare['seconds']} s)" if "mib" in spare
                  else f"off ({spare.get('error', 'FXPORT_SANDBOX_SPARE=0')})")
         threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
         return self._proc

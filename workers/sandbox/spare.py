@@ -6,10 +6,12 @@ copies ~9,500 pages (37 MiB) as it runs, and ran about twice as slow in the chil
 (docs/benchmarks.md, "Sandbox overhead"). The CPU those faults cost is the same whenever they
 are taken; what a job waits for is when.
 
-So the zygote learns once which of its pages a conversion writes (`learn_pages`: a probe child
-runs the smallest job on fxport's own model and reads /proc/self/pagemap for the pages it now
-holds alone), and keeps one `Spare`: a child forked ahead of the next job that writes those
-pages at once (madvise MADV_POPULATE_WRITE), says it is ready, and blocks for its request. The
+A fork also maps none of the zygote's code: the child faults in again each page of the
+libraries it runs. So the zygote learns once which of its pages a conversion writes and which
+code pages it maps (`learn_pages`: a probe child runs the smallest job on fxport's own model and
+reads /proc/self/pagemap), and keeps one `Spare`: a child forked ahead of the next job that takes
+those faults at once (madvise MADV_POPULATE_WRITE, which copies without changing a byte, and
+MADV_POPULATE_READ), says it is ready, and blocks for its request. The
 job that takes it starts with its faults taken and no fork to wait for; the zygote then forks
 the next spare while that job runs. A job that comes while no spare is ready waits for the next
 one: a child forked for it alone would take the same faults during the job.
@@ -33,11 +35,12 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PM_PRESENT, PM_EXCLUSIVE = 1 << 63, 1 << 56  # /proc/pid/pagemap: mapped by this process alone (Linux 4.2+)
-MADV_POPULATE_WRITE = 23  # Linux 5.14+; an older kernel refuses it and the spare only saves the fork
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; where refused, a spare only saves the fork
 
 # How long a job waits for a spare to be ready (writing its pages takes tens of milliseconds;
 # a child forked without them would take the same faults during the job). A spare not ready by
@@ -49,23 +52,30 @@ MAX_FAILURES = 3
 Runs = list[tuple[int, int]]  # (start address, bytes)
 
 
-def private_writable_ranges(maps: str = "/proc/self/maps") -> Runs:
-    """This process's private writable mappings (anonymous memory, the heap, libraries' data):
-    what a forked child shares copy-on-write. As (start, end)."""
-    ranges = []
+def mapped_ranges(maps: str = "/proc/self/maps") -> tuple[Runs, Runs]:
+    """This process's private mappings as (start, end): the writable ones (anonymous memory, the
+    heap, libraries' data: what a forked child shares copy-on-write), and the read-only ones
+    backed by a file (libraries' code: a child maps again each page it runs)."""
+    writable, files = [], []
     with open(maps) as f:
         for line in f:
             fields = line.split()
             perms = fields[1]
-            if perms.startswith("rw") and perms[3] == "p":
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                ranges.append((lo, hi))
-    return ranges
+            if perms[3] != "p":
+                continue
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if perms.startswith("rw"):
+                writable.append((lo, hi))
+            elif perms[1] == "-" and len(fields) > 5 and fields[5].startswith("/"):
+                files.append((lo, hi))
+    return writable, files
 
 
-def exclusive_runs(ranges: Runs, pagemap: str = "/proc/self/pagemap") -> Runs:
+def exclusive_runs(ranges: Runs, pagemap: str = "/proc/self/pagemap", *, alone: bool = True) -> Runs:
     """(start, bytes) runs of the pages within `ranges` that are present and mapped by this
-    process alone: in a forked child, the pages it has written since the fork (copied, or new)."""
+    process alone: in a forked child, the pages it has written since the fork (copied, or new).
+    `alone=False`: every page present (in a child, the file pages it mapped since the fork)."""
+    want = PM_PRESENT | (PM_EXCLUSIVE if alone else 0)
     runs: Runs = []
     with open(pagemap, "rb", buffering=0) as f:
         for lo, hi in ranges:
@@ -73,7 +83,7 @@ def exclusive_runs(ranges: Runs, pagemap: str = "/proc/self/pagemap") -> Runs:
             entries = memoryview(f.read((hi - lo) // PAGE * 8)).cast("Q")
             start = None
             for i, entry in enumerate(entries):
-                mine = entry & PM_PRESENT and entry & PM_EXCLUSIVE
+                mine = entry & want == want
                 if mine and start is None:
                     start = i
                 elif not mine and start is not None:
@@ -84,11 +94,24 @@ def exclusive_runs(ranges: Runs, pagemap: str = "/proc/self/pagemap") -> Runs:
     return runs
 
 
-def learn_pages(probe: Callable[[], object]) -> tuple[Runs | None, dict[str, Any]]:
+@dataclass(frozen=True)
+class Pages:
+    """What a conversion touches of the zygote: pages it writes, and file pages (code) it maps."""
+
+    write: Runs
+    read: Runs
+
+    @property
+    def written_bytes(self) -> int:
+        return sum(n for _, n in self.write)
+
+
+def learn_pages(probe: Callable[[], object]) -> tuple[Pages | None, dict[str, Any]]:
     """Fork a probe child that runs `probe` (a conversion of fxport's own model) and reports the
-    zygote's pages it wrote. Returns (runs or None when it failed, a summary for the log)."""
+    zygote's pages it wrote and the file pages it mapped. Returns (them or None when it failed,
+    a summary for the log)."""
     started = time.monotonic()
-    ranges = private_writable_ranges()
+    writable, files = mapped_ranges()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -96,8 +119,9 @@ def learn_pages(probe: Callable[[], object]) -> tuple[Runs | None, dict[str, Any
         try:
             os.close(r)
             probe()
+            found = {"write": exclusive_runs(writable), "read": exclusive_runs(files, alone=False)}
             with os.fdopen(w, "wb") as out:
-                out.write(json.dumps(exclusive_runs(ranges)).encode())
+                out.write(json.dumps(found).encode())
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -110,17 +134,21 @@ def learn_pages(probe: Callable[[], object]) -> tuple[Runs | None, dict[str, Any
     seconds = round(time.monotonic() - started, 3)
     if status != 0:
         return None, {"error": f"the probe ended with status {os.waitstatus_to_exitcode(status)}", "seconds": seconds}
-    runs = [(int(a), int(n)) for a, n in json.loads(data)]
-    return runs, {"pages": sum(n for _, n in runs) // PAGE, "mib": round(sum(n for _, n in runs) / (1 << 20), 1),
-                  "runs": len(runs), "seconds": seconds}
+    found = json.loads(data)
+    pages = Pages(*([(int(a), int(n)) for a, n in found[kind]] for kind in ("write", "read")))
+    return pages, {"pages": pages.written_bytes // PAGE, "mib": round(pages.written_bytes / (1 << 20), 1),
+                   "runs": len(pages.write), "code_mib": round(sum(n for _, n in pages.read) / (1 << 20), 1),
+                   "seconds": seconds}
 
 
-def write_pages(runs: Runs) -> int:
-    """Take the write faults of `runs` now; returns how many runs the kernel refused (a range
-    unmapped since, or a kernel before 5.14)."""
+def take_faults(pages: Pages) -> int:
+    """Take now the faults a conversion would: copy the pages it writes (MADV_POPULATE_WRITE,
+    which changes no byte) and map the code it runs (MADV_POPULATE_READ). Returns how many runs
+    the kernel refused (a range unmapped since, or a kernel before 5.14)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return sum(libc.madvise(start, length, MADV_POPULATE_WRITE) != 0 for start, length in runs)
+    return (sum(libc.madvise(start, length, MADV_POPULATE_WRITE) != 0 for start, length in pages.write)
+            + sum(libc.madvise(start, length, MADV_POPULATE_READ) != 0 for start, length in pages.read))
 
 
 class Spare:
@@ -130,7 +158,7 @@ class Spare:
     stack at the fork is part of what it runs with (TorchScript records the Python stack of each
     traced call in the artifact), so a job's artifact is the same whichever spare ran it."""
 
-    def __init__(self, pages: Runs | None, run_job: Callable[[dict[str, Any], int], NoReturn]) -> None:
+    def __init__(self, pages: Pages | None, run_job: Callable[[dict[str, Any], int], NoReturn]) -> None:
         self.pages, self.run_job = pages, run_job
         self.pid: int | None = None
         self.failures = 0
@@ -185,14 +213,14 @@ class Spare:
         return None
 
 
-def _wait_for_job(zygote: int, pages: Runs, request_r: int, ready_w: int) -> dict[str, Any]:
+def _wait_for_job(zygote: int, pages: Pages, request_r: int, ready_w: int) -> dict[str, Any]:
     """In the spare: write the pages, say so, and block until the zygote sends a request (one
     line; a child forked meanwhile may hold the pipe open, so it never waits for its end)."""
     try:
         from fxport.workers.sandbox.confine import die_with_parent
 
         die_with_parent(zygote)
-        write_pages(pages)
+        take_faults(pages)
         os.write(ready_w, b"r")
         os.close(ready_w)
         data = b""

@@ -253,7 +253,7 @@ def main() -> None:
     import fxport.workers.engine.pipeline  # noqa: F401
     import fxport.workers.sandbox.child  # noqa: F401
     from fxport.workers.sandbox.confine import _ARCHES, python_read_paths, seccomp_program
-    from fxport.workers.sandbox.spare import Runs, Spare, learn_pages
+    from fxport.workers.sandbox.spare import Pages, Spare, learn_pages
 
     python_read_paths()  # what every child's Landlock rules grant, and its seccomp filter: made once here
     if platform.machine() in _ARCHES:
@@ -282,7 +282,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     huge = collapse_to_huge_pages() if os.environ.get("FXPORT_SANDBOX_HUGE_PAGES", "1") != "0" else {}
-    pages: Runs | None = None
+    pages: Pages | None = None
     learned: dict[str, Any] = {}
     if os.environ.get("FXPORT_SANDBOX_SPARE", "1") != "0":
         with tempfile.TemporaryDirectory() as tmp:
