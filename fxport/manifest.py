@@ -17,6 +17,7 @@ benchmark table, the sandbox's layers) are typed at the top level and left as ma
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -204,6 +205,13 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+@functools.cache
+def _default(cls: type[BaseModel], key: str) -> Any:
+    """A field's default, made once per class (pydantic inspects the factory's signature on every
+    call): only ever compared with, never handed out, so a mutable default is never shared."""
+    return cls.model_fields[key].get_default(call_default_factory=True)
+
+
 def _written(model: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
     """`data` (model's dump) without the fields of `model`, at any depth, that were never set and
     still hold their default."""
@@ -212,7 +220,7 @@ def _written(model: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
     for key, dumped in data.items():
         if key in fields:
             value = getattr(model, key)
-            if key not in model.model_fields_set and value == fields[key].get_default(call_default_factory=True):
+            if key not in model.model_fields_set and value == _default(type(model), key):
                 continue
             if isinstance(value, BaseModel):
                 dumped = _written(value, dumped)
