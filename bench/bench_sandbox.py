@@ -196,8 +196,9 @@ def main() -> None:
         "",
         f"Warm overhead is **{warm_over * 1000:.0f} ms** per job (issue 24's goal: at most 30 ms), against "
         f"{(med[no_spare] - base) * 1000:.0f} ms without the spare child. The zygote keeps one child forked ahead "
-        "of the next job that has already taken the copy-on-write faults a conversion takes "
-        "(`workers/sandbox/spare.py`): the zygote learned once, from a probe child running the smallest job, "
+        "of the next job that has already taken the page faults a conversion takes (the zygote's pages it "
+        "writes, copied, and the library code it runs, mapped; `workers/sandbox/spare.py`): the zygote learned "
+        "once, from a probe child running the smallest job, "
         f"that a conversion writes {learned.get('pages', 0):,} of its pages ({learned.get('mib', 0)} MiB, "
         f"learned in {learned.get('seconds', 0)} s at start). The job no longer waits for those faults, nor "
         f"for the fork; its CPU changes by {cpu_ms(warm) - cpu_ms(no_spare):+.0f} ms (table below: the probe "
