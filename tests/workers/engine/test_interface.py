@@ -177,6 +177,36 @@ def test_opset_17_and_lower_come_from_the_torchscript_based_exporter(tmp_path) -
         assert m["outputs"][0]["shape"][0] == "batch"
 
 
+@pytest.mark.parametrize("opset", [18, 20])
+def test_the_opset_the_exporter_reports_is_the_one_in_the_file(tmp_path, monkeypatch, opset: int) -> None:
+    """From opset 18 the check takes the written opset from the torch.export-based exporter's own
+    model instead of parsing the file again: that word must be the file's, and a file at another
+    opset than asked for must still fail the job, naming both."""
+    from fxport.errors import ConversionFailed
+    from fxport.workers.engine.exporters import onnx as onnx_exporter
+    from tests.models import get
+    from tests.workers.engine.conftest import save_pt2, spec_dict
+
+    reported: list[int | None] = []
+    real = onnx_exporter.check_onnx
+
+    def spy(path: Path, asked: int, written_opset: int | None = None) -> Path:
+        reported.append(written_opset)
+        return real(path, asked, written_opset)
+
+    monkeypatch.setattr(onnx_exporter, "check_onnx", spy)
+    case = get("tiny_linear")
+    out = tmp_path / "out"
+    convert(save_pt2(case, tmp_path / "m.pt2"), parse_spec(spec_dict(case, targets=("onnx",), onnx={"opset": opset})),
+            out)
+    in_file = [o.version for o in onnx.load(str(out / "model.onnx")).opset_import if o.domain in ("", "ai.onnx")]
+    assert reported == [opset] and in_file == [opset]
+    with pytest.raises(ConversionFailed, match=f"came out at opset {opset}, not the {opset - 1} asked for"):
+        real(out / "model.onnx", opset - 1, reported[0])
+    with pytest.raises(ConversionFailed, match=f"came out at opset {opset}, not the {opset - 1} asked for"):
+        real(out / "model.onnx", opset - 1)  # read from the file when the exporter said nothing
+
+
 def test_a_model_that_needs_a_newer_opset_names_the_op_and_the_opset(tmp_path) -> None:
     from fxport.errors import ConversionFailed
     from tests.models import get
