@@ -46,8 +46,8 @@ SANDBOX_MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold=33554432:glibc.malloc.tr
 SANDBOX_HUGE_PAGES = True
 
 # The zygote keeps one child forked ahead of the next job, with the page faults of a conversion
-# already taken (sandbox/spare.py): a tiny job's overhead in the sandbox fell from
-# ~60 ms to ~30 ms (docs/benchmarks.md, "Sandbox overhead"). It holds ~35 MiB while it waits.
+# already taken (sandbox/spare.py): a tiny job's overhead in the sandbox fell by about half
+# (docs/benchmarks.md, "Sandbox overhead"). It holds 30-40 MiB of its own while it waits.
 SANDBOX_SPARE = True
 
 # libgomp (torch's OpenMP) lets a thread that finds no work spin 300,000 times before it

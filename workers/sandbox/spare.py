@@ -1,4 +1,4 @@
-"""The spare child: forked ahead of the next job, with a conversion's copy-on-write faults taken.
+"""The spare child: forked ahead of the next job, with a conversion's page faults already taken.
 
 A child forked from the zygote shares the zygote's memory and copies each page the first time it
 writes to it. CPython writes to every object it touches (reference counts), so the smallest job
@@ -11,9 +11,9 @@ libraries it runs. So the zygote learns once which of its pages a conversion wri
 code pages it maps (`learn_pages`: a probe child runs the smallest job on fxport's own model and
 reads /proc/self/pagemap), and keeps one `Spare`: a child forked ahead of the next job that takes
 those faults at once (madvise MADV_POPULATE_WRITE, which copies without changing a byte, and
-MADV_POPULATE_READ), says it is ready, and blocks for its request. The
-job that takes it starts with its faults taken and no fork to wait for; the zygote then forks
-the next spare while that job runs. A job that comes while no spare is ready waits for the next
+MADV_POPULATE_READ), says it is ready, and blocks for its request. The job that takes it starts
+with its faults taken and no fork to wait for; the zygote then forks the next spare while that
+job runs. A job that comes while no spare is ready waits for the next
 one: a child forked for it alone would take the same faults during the job.
 
 Until its request arrives a spare runs only this module; from then on it is a job's child like
