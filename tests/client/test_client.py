@@ -10,15 +10,21 @@ from tests.fixtures.servers import free_port, start_api
 
 
 @pytest.mark.slow
-def test_wait_resumes_across_a_server_restart_and_the_job_is_rerun(tmp_path, tiny_pt2):
+def test_wait_resumes_across_a_server_restart_and_the_job_is_rerun(tmp_path):
     """Embedded server stopped mid-job: the job stays RUNNING in its SQLite store, the next
-    start re-runs it, and Job.wait reconnects and resumes from the last event it saw."""
+    start re-runs it, and Job.wait reconnects and resumes from the last event it saw. The model
+    is a small ResNet, so that its ONNX export and verification outlast the stop by far (a tiny
+    model's job could end in the moment between the client seeing `export` and the stop)."""
+    from tests.models import get
+    from tests.workers.engine.conftest import save_pt2
+
+    model = save_pt2(get("resnet18_small"), tmp_path / "resnet18_small.pt2")
     env = {"FXPORT_HOME": str(tmp_path / "home"), "FXPORT_LISTEN": f"127.0.0.1:{free_port()}",
            "FXPORT_SANDBOX_THREADS": "1"}
     server = start_api(tmp_path, env, name="restart")
     try:
         with Client(server.address, reconnect_s=60) as client:
-            job = client.submit(tiny_pt2, {"targets": ["onnx"]})
+            job = client.submit(model, {"targets": ["onnx"]})
             seen = []
             events = job.events(timeout=120)
             for ev in events:
