@@ -5,7 +5,6 @@ in it, convert, and keep running when it is gone."""
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
 import signal
@@ -16,28 +15,15 @@ import pytest
 from fxport.spec import parse_spec
 from fxport.workers.engine.request import EngineRequest
 from fxport.workers.sandbox import launch, run_engine_job
-from fxport.workers.sandbox.spare import PAGE, Pages, exclusive_runs, take_faults
+from fxport.workers.sandbox.spare import PAGE, Pages, exclusive_runs, in_forked_child, take_faults
 from tests.fixtures.servers import descendants, process_state, wait_until
 from tests.workers.test_sandbox import SPEC, hostile_package
 
 
 def _in_child(fn) -> object:  # noqa: ANN001 - run fn in a forked child, return what it returns (JSON)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.write(w, json.dumps(fn()).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
+    status, result = in_forked_child(fn)
     assert status == 0, "the forked child failed"
-    return json.loads(data)
+    return result
 
 
 @pytest.fixture

@@ -272,6 +272,8 @@ class WarmSandbox:
         event, box = self._started[job]
         if not event.wait(30) or box[0] < 0:
             raise RuntimeError("the warm sandbox could not fork a job")
+        log.debug("job %d runs in child %d, %s", job, box[0],
+                  "a spare forked ahead of it" if box[1] else "forked when it came (no spare was ready)")
         return _WarmLaunch(self, job, box[0], box[1])
 
     def wait(self, job: int, timeout: float) -> int:

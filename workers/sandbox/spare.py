@@ -112,16 +112,33 @@ def learn_pages(probe: Callable[[], object]) -> tuple[Pages | None, dict[str, An
     a summary for the log)."""
     started = time.monotonic()
     writable, files = mapped_ranges()
+
+    def learn() -> dict[str, Runs]:
+        probe()
+        return {"write": exclusive_runs(writable), "read": exclusive_runs(files, alone=False)}
+
+    status, found = in_forked_child(learn)
+    seconds = round(time.monotonic() - started, 3)
+    if status != 0:
+        return None, {"error": f"the probe ended with status {os.waitstatus_to_exitcode(status)}", "seconds": seconds}
+    pages = Pages(*([(int(a), int(n)) for a, n in found[kind]] for kind in ("write", "read")))
+    return pages, {"pages": pages.written_bytes // PAGE, "mib": round(pages.written_bytes / (1 << 20), 1),
+                   "runs": len(pages.write), "code_mib": round(sum(n for _, n in pages.read) / (1 << 20), 1),
+                   "seconds": seconds}
+
+
+def in_forked_child(fn: Callable[[], object]) -> tuple[int, Any]:
+    """Run `fn` in a forked child and wait for it: (its wait status, what `fn` returned, through
+    JSON; None when it failed, its traceback printed)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             os.close(r)
-            probe()
-            found = {"write": exclusive_runs(writable), "read": exclusive_runs(files, alone=False)}
+            result = json.dumps(fn()).encode()
             with os.fdopen(w, "wb") as out:
-                out.write(json.dumps(found).encode())
+                out.write(result)
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -131,14 +148,7 @@ def learn_pages(probe: Callable[[], object]) -> tuple[Pages | None, dict[str, An
     with os.fdopen(r, "rb") as f:
         data = f.read()
     _, status = os.waitpid(pid, 0)
-    seconds = round(time.monotonic() - started, 3)
-    if status != 0:
-        return None, {"error": f"the probe ended with status {os.waitstatus_to_exitcode(status)}", "seconds": seconds}
-    found = json.loads(data)
-    pages = Pages(*([(int(a), int(n)) for a, n in found[kind]] for kind in ("write", "read")))
-    return pages, {"pages": pages.written_bytes // PAGE, "mib": round(pages.written_bytes / (1 << 20), 1),
-                   "runs": len(pages.write), "code_mib": round(sum(n for _, n in pages.read) / (1 << 20), 1),
-                   "seconds": seconds}
+    return status, json.loads(data) if status == 0 else None
 
 
 def take_faults(pages: Pages) -> int:
@@ -214,8 +224,8 @@ class Spare:
 
 
 def _wait_for_job(zygote: int, pages: Pages, request_r: int, ready_w: int) -> dict[str, Any]:
-    """In the spare: write the pages, say so, and block until the zygote sends a request (one
-    line; a child forked meanwhile may hold the pipe open, so it never waits for its end)."""
+    """In the spare: write the pages, say so, and block until the zygote sends a request: one
+    line, or the pipe closed with none (no job for this spare: it exits)."""
     try:
         from fxport.workers.sandbox.confine import die_with_parent
 
