@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,9 +319,9 @@ def _build_from_graph(run: _Run, captured: Captured, loaded: LoadedModel, sig: I
                 run.warn(f"{target}: {note}")
             elif note:  # how a reduced-precision artifact was built (int8 kernels or fake-quant, ...)
                 _quantization(run).setdefault("artifact_notes", {})[target] = note
-        for target, path in written.items():
-            manifest.artifacts.extend(_artifact_records(target, path, out_dir,
-                                                           int8_scheme=reduced.scheme_of(target) if reduced else None))
+        manifest.artifacts.extend(_records_of(
+            [(target, path, reduced.scheme_of(target) if reduced else None) for target, path in written.items()],
+            out_dir))
         if reduced is not None and reduced.int8 is not None:
             for target in ("onnx", TENSORRT_ONNX):
                 if target in written:
@@ -382,8 +383,7 @@ def _build_from_eager(run: _Run, loaded: LoadedModel, sig: InputSignature, spec:
             err.attempts = getattr(failure, "attempts", [])  # type: ignore[attr-defined]
             raise err
         manifest.warnings.extend(f"{f.target} was not built: {f.reason}" for f in failed)
-        for built, path in written.items():
-            manifest.artifacts.extend(_artifact_records(built, path, out_dir))
+        manifest.artifacts.extend(_records_of([(built, path, None) for built, path in written.items()], out_dir))
     return written
 
 
@@ -747,15 +747,34 @@ def _write_artifact(target: str, writer: Writer, job: ExportJob, path: Path) -> 
 
 def _artifact_records(target: str, path: Path, out_dir: Path, *, int8_scheme: str | None = None
                       ) -> list[ArtifactRecord]:
-    if target in REGISTRY:
-        files = REGISTRY[target].files(path)
-    else:  # the TensorRT engine, written by its own stage
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    scheme = {"int8_scheme": int8_scheme} if int8_scheme else {}  # left out, not null, when there is none
+    return _records_of([(target, path, int8_scheme)], out_dir)
+
+
+def _records_of(artifacts: Sequence[tuple[str, Path, str | None]], out_dir: Path) -> list[ArtifactRecord]:
+    """The manifest's records of every file of `artifacts` ((target, path, int8 scheme or None)).
+    The files are hashed side by side, up to the job's thread budget: hashlib lets go of the GIL,
+    and nothing else of the job runs meanwhile. Where no thread can start, one after another."""
+    files: list[tuple[str, Path, str | None]] = []
+    for target, path, scheme in artifacts:
+        if target in REGISTRY:
+            found = REGISTRY[target].files(path)
+        else:  # the TensorRT engine, written by its own stage
+            found = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        files.extend((target, f, scheme) for f in found)
+    digests = None
+    workers = min(len(files), torch.get_num_threads())
+    if workers > 1:
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                digests = list(pool.map(lambda item: sha256_file(item[1]), files))
+        except RuntimeError:  # no thread could start (near the sandbox's address-space limit)
+            digests = None
+    if digests is None:
+        digests = [sha256_file(f) for _, f, _ in files]
     return [
-        ArtifactRecord(format=target, path=str(f.relative_to(out_dir)), bytes=f.stat().st_size,
-                       sha256=sha256_file(f)[0], **scheme)
-        for f in files
+        ArtifactRecord(format=target, path=str(f.relative_to(out_dir)), bytes=size, sha256=digest,
+                       **({"int8_scheme": scheme} if scheme else {}))  # left out, not null, when there is none
+        for (target, f, scheme), (digest, size) in zip(files, digests)
     ]
 
 
