@@ -768,7 +768,7 @@ def _records_of(artifacts: Sequence[tuple[str, Path, str | None]], out_dir: Path
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 digests = list(pool.map(lambda item: sha256_file(item[1]), files))
         except RuntimeError:  # no thread could start (near the sandbox's address-space limit)
-            digests = None
+            pass
     if digests is None:
         digests = [sha256_file(f) for _, f, _ in files]
     return [

@@ -164,9 +164,10 @@ def take_faults(pages: Pages) -> int:
 class Spare:
     """The zygote's one spare child (none while `pages` is None: spares are off).
 
-    Every job's child is forked by `ensure`, called from one place in the zygote: a child's
-    stack at the fork is part of what it runs with (TorchScript records the Python stack of each
-    traced call in the artifact), so a job's artifact is the same whichever spare ran it."""
+    While spares are on, every job's child is forked by `ensure`, called from one place in the
+    zygote: a child's stack at the fork is part of what it runs with (TorchScript records the
+    Python stack of each traced call in the artifact), so a job's artifact is the same whichever
+    spare ran it. (With spares off, the zygote forks each job's child from one other line.)"""
 
     def __init__(self, pages: Pages | None, run_job: Callable[[dict[str, Any], int], NoReturn]) -> None:
         self.pages, self.run_job = pages, run_job
