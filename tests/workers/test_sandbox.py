@@ -126,6 +126,23 @@ def test_a_hang_is_killed_at_the_wall_clock_limit(tmp_path: Path) -> None:
     assert "8 s wall-clock limit during load" in str(info.value)
 
 
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_a_thread_the_model_leaves_running_does_not_hold_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  mode: str) -> None:
+    """Once the engine has written its result the child ends, whatever the model left behind:
+    a non-daemon thread would make a normal interpreter exit wait for it until the job's
+    wall-clock limit (generous here, so a child that waits fails the job instead of the suite)."""
+    monkeypatch.setenv("FXPORT_SANDBOX_MODE", mode)
+    model = hostile_package(tmp_path, f"linger_{mode}", """
+        import threading, time
+        threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+    """)
+    manifest = run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / "out",
+                                            job_id=f"t-linger-{mode}", timeout_s=240))
+    assert manifest["verification"][0]["passed"]
+    assert (tmp_path / "out" / "model.onnx").is_file()
+
+
 def _running(pid: int) -> bool:
     return process_state(pid) not in ("Z", "X", None)
 
