@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConversionFailed, Fx
 from fxport.spec import JobSpec, parse_spec
 
 STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark")
+# Set once `convert --no-sandbox` has imported torch and run the engine in this process: the
+# console entry point (cli.main) then ends the process without Python's teardown.
+ENGINE_RAN_HERE = threading.Event()
 
 
 @with_spec_flags
@@ -74,6 +78,7 @@ def convert_command(
 
                 err.print("[yellow]warning:[/] --no-sandbox: the model is loaded and run in this process, with your "
                           "rights (its pickles can run any code); use it only for a model you trust", highlight=False)
+                ENGINE_RAN_HERE.set()
                 manifest = convert_request(request, on_progress=progress)
             else:
                 from fxport.workers.sandbox import run_engine_job

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,22 @@ def test_convert_no_sandbox_says_so_and_runs_in_process(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "--no-sandbox: the model is loaded and run in this process" in proc.stderr
     assert "PROBE sandbox=None" in proc.stderr and "read the user's own file" in proc.stderr, proc.stderr
+
+
+def test_convert_no_sandbox_ends_when_done_though_the_model_left_a_thread(tmp_path: Path) -> None:
+    """A trusted model whose code leaves a non-daemon thread running: the command still ends once
+    its result is printed, with its exit code (Python's own exit would wait for the thread)."""
+    lingering = TRACEABLE + textwrap.dedent('''
+        import os, threading, time
+        if os.environ.get("LINGER_FOR_TEST"):  # not while the test packages it
+            threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+    ''')
+    model = package_model(lingering, "lingering_model", tmp_path / "src")
+    proc = subprocess.run([*FXPORT, "convert", str(model), "--input", "x:2,3,8,8", "-t", "onnx", "--out",
+                           str(tmp_path / "o"), "--no-sandbox", "--json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "LINGER_FOR_TEST": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert all(v["passed"] for v in json.loads(proc.stdout)["verification"])
 
 
 def test_convert_benchmark_recommends_the_fastest_verified_artifact(tmp_path: Path) -> None:
