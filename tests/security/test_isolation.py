@@ -16,6 +16,7 @@ import socket
 import textwrap
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,17 +106,31 @@ class IsolationStack:
 
 @pytest.fixture(scope="module", params=list(MODES))
 def iso(request, tmp_path_factory, redis_server, s3_server) -> IsolationStack:
-    mode = request.param
+    """The stack with a warm sandbox (the default): a zygote forks each job's child."""
+    yield from _isolation_stack(request.param, 1 + list(MODES).index(request.param), tmp_path_factory, redis_server,
+                                s3_server)
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def cold_iso(request, tmp_path_factory, redis_server, s3_server) -> IsolationStack:
+    """The stack with FXPORT_SANDBOX_MODE=cold: each job's child is a fresh interpreter."""
+    yield from _isolation_stack(request.param, 3 + list(MODES).index(request.param), tmp_path_factory, redis_server,
+                                s3_server, {"FXPORT_SANDBOX_MODE": "cold"})
+
+
+def _isolation_stack(mode: str, db: int, tmp_path_factory, redis_server, s3_server,  # noqa: ANN001
+                     extra_env: dict[str, str] | None = None) -> Iterator[IsolationStack]:
+    """API, worker (under `mode`'s capabilities) and a warmed-up job of bob's, on Redis db `db`:
+    each stack's own queue and job store."""
     if MODES[mode] and shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
     base = tmp_path_factory.mktemp("isolation")
-    db = 1 + list(MODES).index(mode)  # each mode's own queue and job store
     tokens = {t: new_token() for t in ("alice", "bob")}
     tokens_file = base / "tokens"
     tokens_file.write_text("".join(token_entry(t, tok) + "\n" for t, tok in tokens.items()))
     redis_url = f"redis://127.0.0.1:{redis_server.port}/{db}"
     env = {**distributed_env(redis_server, s3_server, base, prefix=f"iso{db}"), "FXPORT_BROKER_URL": redis_url,
-           "FXPORT_TOKENS_FILE": str(tokens_file), "FXPORT_EARLY_UPLOAD": "true"}
+           "FXPORT_TOKENS_FILE": str(tokens_file), "FXPORT_EARLY_UPLOAD": "true", **(extra_env or {})}
     api = start_api(base, env, name=f"iso-api-{db}")
     worker = start_worker(base, env, "cpu", concurrency=1, name=f"iso-worker-{db}", prefix=MODES[mode])
     stack = IsolationStack(mode, api.address, worker, env, base, tokens, redis_url, s3_server, [api.process])
@@ -479,6 +494,83 @@ def test_a_huge_result_fails_the_job_without_the_worker_reading_it(iso: Isolatio
     iso.bob_converts()
 
 
+LINGERING_THREAD = """
+    import json, threading, time
+    def linger():
+        # Once the engine has written its result, rewrite every artifact the worker is about to
+        # check and store, for as long as this process lives.
+        with open("request.json") as f:
+            out = json.load(f)["engine"]["out_dir"]
+        while not os.path.exists("result.json"):
+            time.sleep(0.001)
+        while True:
+            for name in os.listdir(out):
+                try:
+                    with open(os.path.join(out, name), "wb") as f:
+                        f.write(b"TAMPERED AFTER THE RESULT")
+                except OSError:
+                    pass
+            time.sleep(0.001)
+    threading.Thread(target=linger, daemon=False).start()
+"""
+
+
+def test_a_thread_left_behind_neither_holds_the_job_nor_changes_its_artifacts(iso: IsolationStack):
+    _thread_left_behind(iso)
+
+
+def test_a_thread_left_behind_in_a_cold_child_neither_holds_the_job_nor_changes_its_artifacts(
+        cold_iso: IsolationStack):
+    _thread_left_behind(cold_iso)
+
+
+def _thread_left_behind(stack: IsolationStack) -> None:
+    """The child ends as soon as its result is written, whatever threads the model left. One that
+    waits for the result to rewrite the artifacts either misses the child's end (the job
+    succeeds with the engine's bytes) or is caught by the worker's check of each file against its
+    digest; it never holds the child until the wall-clock limit, and nothing it wrote is stored."""
+    model = hostile_package(stack.base, f"linger_{uuid.uuid4().hex[:6]}", LINGERING_THREAD)
+    with stack.client("alice") as c:
+        job = c.submit(model, {**PACKAGE_SPEC, "limits": {"timeout_s": 120}},
+                       idempotency_key=uuid.uuid4().hex).wait(timeout=WAIT_S)
+        if job.state == "SUCCEEDED":
+            files = job.download(stack.base / f"linger-{job.id}")  # each file's sha256 checked against the record
+            assert files and all(b"TAMPERED" not in Path(f).read_bytes() for f in files), files
+        else:
+            assert job.state == "FAILED", job.state
+            assert "does not match its recorded digest" in error_text(job), (job.error, stack.logs())
+    stored = stack.objects(f"alice/jobs/{job.id}/")
+    assert all(b"TAMPERED" not in data for data in stored.values()), sorted(stored)
+    stack.bob_converts()
+
+
+def test_a_failed_job_publishes_the_workers_manifest_and_report_not_the_childs(iso: IsolationStack):
+    """A failed job still publishes manifest.json and report.html. A child that rewrites its
+    out folder once its result is written (a script in report.html, junk in the manifest and the
+    artifacts) fails the job on the worker's digest check, and what is stored for it is what the
+    worker wrote: neither file as the child left it."""
+    job = run_probe(iso, "rewrite_after_result", textwrap.dedent("""
+        import builtins, json
+        child = builtins.__import__("fxport.workers.sandbox.child", fromlist=["child"])
+        write = child._write_result
+        def rewrite_after(work, result):
+            write(work, result)
+            with open("request.json") as f:
+                out = json.load(f)["engine"]["out_dir"]
+            for name in os.listdir(out):
+                with open(os.path.join(out, name), "wb") as f:
+                    f.write(b"TAMPERED AFTER THE RESULT")
+            with open(os.path.join(out, "report.html"), "w") as f:
+                f.write("<script>TAMPERED</script>")
+        child._write_result = rewrite_after
+    """))
+    assert job.state == "FAILED", job.state
+    assert "does not match its recorded digest" in error_text(job), job.error
+    stored = iso.objects(f"alice/jobs/{job.id}/")
+    assert all(b"TAMPERED" not in data for data in stored.values()), {k: v[:60] for k, v in stored.items()}
+    iso.bob_converts()
+
+
 def _rss_mib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -539,3 +631,4 @@ def test_a_forged_manifest_fails_the_job_naming_the_field(iso: IsolationStack, t
     assert "the sandbox's manifest is malformed at 'artifacts.0.bytes'" in job.error["message"], job.error
     assert not any(a["name"].endswith(".onnx") for a in job.artifacts), job.artifacts
     iso.bob_converts()
+

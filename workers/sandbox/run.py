@@ -95,41 +95,55 @@ def run_engine_job(
     out_dir = request.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     launcher.hide_parent_environment()
-    timeout, memory = request.timeout, request.memory_bytes
     job_id = request.job_id or f"local-{uuid.uuid4().hex[:12]}"  # the key kill_job finds the child by
-    timing_cache = request.timing_cache.read if request.timing_cache is not None else None
     work = Path(tempfile.mkdtemp(prefix="fxport-sandbox-", dir=work_parent))  # 0700, this job's alone
+    child = _Child(job_id, work, on_progress, warm)
     try:
-        (work / "tmp").mkdir()
-        events_path = work / "events"
-        os.mkfifo(events_path, 0o600)
-        engine = request.resolved()
-        if timing_cache is not None:  # the child may write only to its folders: the merged cache goes to out_dir
-            engine = engine.model_copy(update={"timing_cache": TimingCachePaths(
-                read=timing_cache.resolve(), write=out_dir.resolve() / TIMING_CACHE_OUT)})
-        sandbox_request = SandboxRequest(
-            engine=engine,
-            limits=SandboxLimits(memory_bytes=memory, cpu_seconds=int(timeout) + 1, isolate_network=isolate_network),
-            events_path=events_path,
-            readable=readable_inputs(request.model_path, request.calibration_path, timing_cache),
-            require=required_layers(),
-        )
-        (work / "request.json").write_text(sandbox_request.model_dump_json())
-        child = _Child(job_id, work, on_progress, warm)
-        try:
-            rc = child.run(launcher.scrubbed_env(work), timeout, cancel_event)
-            with beneath.opened_dir(work) as work_fd:
-                result = _read_result(work_fd, rc, child, memory, timeout, out_dir)
-        finally:
-            box = child.sandbox_record()
-            layers.log_layers(job_id, box)
-        if request.timing_cache is not None:
-            _take_timing_cache(out_dir, request.timing_cache.write, keep=bool(result.get("ok")))
+        manifest = _run_checked(request, child, isolate_network, cancel_event)
+    except Exception:
+        # A failed job still publishes manifest.json and report.html (workers/jobs.py): the
+        # worker's own, whatever the child (or a thread it left running) put there.
+        _keep_failed_outputs(out_dir, child.sandbox_record())
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    with beneath.opened_dir(out_dir) as out_fd:
+        beneath.replace_file(out_fd, "manifest.json", manifest.to_json().encode())
+    draw_report(out_dir)
+    return manifest.to_dict()
+
+
+def _run_checked(request: EngineRequest, child: _Child, isolate_network: bool,
+                 cancel_event: threading.Event | None) -> Manifest:
+    """Run `child` on `request` in its folder and return the manifest it reported, with the
+    worker's record of the layers, once every file it lists in out_dir has been checked."""
+    out_dir, work, timeout, memory = request.out_dir, child.work, request.timeout, request.memory_bytes
+    timing_cache = request.timing_cache.read if request.timing_cache is not None else None
+    (work / "tmp").mkdir()
+    events_path = work / "events"
+    os.mkfifo(events_path, 0o600)
+    engine = request.resolved()
+    if timing_cache is not None:  # the child may write only to its folders: the merged cache goes to out_dir
+        engine = engine.model_copy(update={"timing_cache": TimingCachePaths(
+            read=timing_cache.resolve(), write=out_dir.resolve() / TIMING_CACHE_OUT)})
+    sandbox_request = SandboxRequest(
+        engine=engine,
+        limits=SandboxLimits(memory_bytes=memory, cpu_seconds=int(timeout) + 1, isolate_network=isolate_network),
+        events_path=events_path,
+        readable=readable_inputs(request.model_path, request.calibration_path, timing_cache),
+        require=required_layers(),
+    )
+    (work / "request.json").write_text(sandbox_request.model_dump_json())
+    try:
+        rc = child.run(launcher.scrubbed_env(work), timeout, cancel_event)
+        with beneath.opened_dir(work) as work_fd:
+            result = _read_result(work_fd, rc, child, memory, timeout)
+    finally:
+        box = child.sandbox_record()
+        layers.log_layers(child.job_id, box)
+    if request.timing_cache is not None:
+        _take_timing_cache(out_dir, request.timing_cache.write, keep=bool(result.get("ok")))
     if not result.get("ok"):
-        _record_sandbox(out_dir, box)
-        draw_report(out_dir)
         error = result.get("error")
         err = error if isinstance(error, dict) else {}
         if err.get("code") == "resource_limit":
@@ -144,10 +158,7 @@ def run_engine_job(
     except errors.FxportError:
         _count_failure("invalid_output")
         raise
-    with beneath.opened_dir(out_dir) as out_fd:
-        beneath.replace_file(out_fd, "manifest.json", manifest.to_json().encode())
-    draw_report(out_dir)
-    return manifest.to_dict()
+    return manifest
 
 
 def _child_manifest(data: Any) -> Manifest:
@@ -251,7 +262,7 @@ class _Child:
         return layers.record(self.measured, self.reported, measure_error=self.measure_error)
 
 
-def _read_result(work_fd: int, rc: int, child: _Child, memory: int, timeout: float, out_dir: Path) -> dict[str, Any]:
+def _read_result(work_fd: int, rc: int, child: _Child, memory: int, timeout: float) -> dict[str, Any]:
     """The child's result.json, read within MAX_RESULT_BYTES; its death, named, if there is none."""
     try:
         raw = beneath.read_bounded(work_fd, "result.json", MAX_RESULT_BYTES, "result.json")
@@ -262,8 +273,6 @@ def _read_result(work_fd: int, rc: int, child: _Child, memory: int, timeout: flo
         raise
     if rc != 0 or raw is None:
         log_tail = beneath.tail_bounded(work_fd, "sandbox.log", LOG_TAIL_BYTES).decode("utf-8", "replace")
-        _record_sandbox(out_dir, child.sandbox_record())
-        draw_report(out_dir)
         raise _death_error(rc, child.stage, memory, timeout, log_tail)
     try:
         result = json.loads(raw)
@@ -293,17 +302,38 @@ def _take_timing_cache(out_dir: Path, dest: Path, *, keep: bool) -> None:
             pass
 
 
-def _record_sandbox(out_dir: Path, box: dict[str, Any]) -> None:
-    """A failed job's manifest (the child's) gets the worker's record of the layers instead of
-    whatever the child put there."""
+def _keep_failed_outputs(out_dir: Path, box: dict[str, Any]) -> None:
+    """A failed job still publishes manifest.json and report.html (workers/jobs.py), so both are
+    made here, by the worker: the manifest the child left, read as a Manifest and written back
+    with the worker's record of the layers, and the report drawn from it. A manifest that does
+    not read as one is removed rather than published as the child (or a thread it left running)
+    wrote it, and so is whatever report.html the child left. Never raises: the job's own error
+    is the one to report."""
     try:
         with beneath.opened_dir(out_dir) as out_fd:
-            manifest = json.loads(beneath.read_bounded(out_fd, "manifest.json", MAX_MANIFEST_BYTES, "manifest.json"))
-            if isinstance(manifest, dict):
-                manifest["sandbox"] = box
-                beneath.replace_file(out_fd, "manifest.json", json.dumps(manifest, indent=2, default=str).encode())
-    except (OSError, ValueError, RecursionError, errors.FxportError):
-        pass  # no readable manifest: nothing to correct
+            _unlink_at(out_fd, "report.html")
+            try:
+                raw = beneath.read_bounded(out_fd, "manifest.json", MAX_MANIFEST_BYTES, "manifest.json")
+                manifest = Manifest.from_json(raw)
+            except FileNotFoundError:
+                return
+            except (OSError, ValueError, RecursionError, errors.FxportError):  # a ValidationError is a ValueError
+                _unlink_at(out_fd, "manifest.json")
+                return
+            manifest.sandbox = box
+            beneath.replace_file(out_fd, "manifest.json", manifest.to_json().encode())
+    except (OSError, errors.FxportError) as exc:
+        log.warning("a failed job's manifest could not be rewritten: %s", exc)
+        return
+    draw_report(out_dir)
+
+
+def _unlink_at(dir_fd: int, name: str) -> None:
+    """Remove a file the child left; a name that is not a file stays (the upload refuses it)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 def draw_report(out_dir: Path) -> None:
