@@ -31,6 +31,7 @@ from fxport.client.errors import (
     IntegrityError,
     JobNotFound,
     RequestRefused,
+    ServerBusy,
     ServerUnreachable,
     TooLarge,
     WaitTimeout,
@@ -39,5 +40,5 @@ from fxport.errors import FxportError
 
 __all__ = [
     "Client", "Job", "JobEvent", "JobPage", "FxportError", "ServerUnreachable", "AuthFailed", "JobNotFound",
-    "TooLarge", "RequestRefused", "WaitTimeout", "IntegrityError", "DEFAULT_SERVER",
+    "TooLarge", "RequestRefused", "ServerBusy", "WaitTimeout", "IntegrityError", "DEFAULT_SERVER",
 ]

@@ -28,6 +28,7 @@ from fxport.client.errors import (
     TooLarge,
     WaitTimeout,
     from_rpc_error,
+    is_busy,
 )
 from fxport.digest import remembered_sha256, write_checked
 from fxport.errors import InvalidInput
@@ -279,16 +280,30 @@ class Job:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise WaitTimeout(f"job {self.id} did not finish within {timeout:g} s "
                                       f"(last state {self.state})") from None
-                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
-                                grpc.StatusCode.UNKNOWN):
+                if is_busy(err):
+                    # No stream slot free on the server for now: follow the job by polling it
+                    # (a short call, which always finds a thread) until one is.
+                    self.refresh()
+                    if self.terminal:
+                        yield self._final_event()
+                        return
+                elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                                  grpc.StatusCode.UNKNOWN):
                     raise from_rpc_error(err, c.target) from None
-                down_since = down_since or time.monotonic()
-                if time.monotonic() - down_since > c.reconnect_s:
-                    raise from_rpc_error(err, c.target) from None
-            # The stream ended without a terminal event (server restart) or dropped: resume.
+                else:
+                    down_since = down_since or time.monotonic()
+                    if time.monotonic() - down_since > c.reconnect_s:
+                        raise from_rpc_error(err, c.target) from None
+            # The stream ended without a terminal event (server restart), dropped, or was refused: resume.
             pause = backoff if deadline is None else min(backoff, max(0.0, deadline - time.monotonic()))
             time.sleep(pause)
             backoff = min(backoff * 2, 5.0)
+
+    def _final_event(self) -> JobEvent:
+        """The terminal event, from the job record just read (when no stream told it)."""
+        m = self._msg
+        return JobEvent(seq=m.last_seq, job_id=m.id, state=self.state, stage=m.stage, progress=m.progress,
+                        message=m.message, time=_ts(m, "finished_at") or _ts(m, "updated_at"))
 
     def wait(self, timeout: float | None = None, on_event: Callable[[JobEvent], Any] | None = None,
              download_to: str | os.PathLike[str] | None = None) -> Job:
@@ -494,10 +509,13 @@ class Client:
             try:
                 return attempt()
             except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                if is_busy(err):  # a streaming call the server had no slot for: one frees as others end
+                    budget = self.retry_s
+                elif err.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
-                backend_down = ("fxport-retry", "backend") in tuple(err.trailing_metadata() or ())
-                budget = self.retry_s if backend_down else min(self.retry_s, self.UNREACHABLE_RETRY_S)
+                else:
+                    backend_down = ("fxport-retry", "backend") in tuple(err.trailing_metadata() or ())
+                    budget = self.retry_s if backend_down else min(self.retry_s, self.UNREACHABLE_RETRY_S)
                 if time.monotonic() - started + delay > budget:
                     raise
                 time.sleep(delay * random.uniform(0.8, 1.2))
@@ -698,7 +716,7 @@ class Client:
                     raise ServerUnreachable(f"{art['name']}: cannot download directly from the object store "
                                             f"({exc}); use direct_download=False to have the server relay it") from None
                 self._direct_works = False  # not from here: the server relays, this time and after
-        try:
+        def relayed() -> None:
             stream = self._stub.DownloadArtifact(pb.DownloadArtifactRequest(job_id=job_id, name=art["name"]),
                                                  metadata=self._metadata)
             header: dict[str, str] = {}
@@ -711,6 +729,9 @@ class Client:
                     yield msg.chunk
 
             self._write_verified(chunks(), art, target, header)
+
+        try:
+            self._retrying(relayed)  # again only when refused at once (no stream slot, server unreachable)
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.target) from None
 

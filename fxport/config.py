@@ -53,7 +53,18 @@ class Settings(BaseSettings):
         description="Job store: redis://… or sqlite:///path. Unset = the broker URL when it is Redis, "
         "else SQLite under $FXPORT_HOME.",
     )
-    grpc_max_workers: int = Field(64, ge=4, description="Threads serving RPCs (each open WatchJob holds one).")
+    grpc_max_workers: int = Field(
+        64, ge=4, description="Threads serving RPCs. Each open streaming call (WatchJob, SubmitJob, DownloadArtifact) "
+        "holds one; a quarter of them (at least 2) are kept for short calls and health checks.")
+    max_streams_per_tenant: int = Field(
+        16, ge=1, description="Streaming calls one tenant may hold open on an API process at once (health and "
+        "reflection, which need no token, share one such count); past it RESOURCE_EXHAUSTED, and the fxport client "
+        "retries, following a job by polling meanwhile.")
+
+    @property
+    def stream_slots(self) -> int:
+        """Streaming calls an API process admits at once: its RPC threads less those kept for short calls."""
+        return self.grpc_max_workers - max(2, self.grpc_max_workers // 4)
     log_level: str = Field("INFO", description="Log level of the server and workers.")
     log_format: str = Field("json", description="json (one object per line, with job_id) or text.")
     work_dir: Path | None = Field(None, description="Scratch space for worker jobs (default: system temp).")

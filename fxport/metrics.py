@@ -99,6 +99,7 @@ class FxportMetrics:
     cache_misses_total: Counter
     cache_entry_reads_total: Counter
     sandbox_failures_total: Counter
+    streams_refused_total: Counter
     upload_bytes_total: Counter
     direct_upload_bytes_total: Counter
     job_failures_total: Counter
@@ -226,6 +227,13 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
             "fxport_sandbox_failures_total",
             "Sandbox children that failed, by reason.",
             ["reason"],
+            registry=registry,
+        ),
+        streams_refused_total=Counter(
+            "fxport_streams_refused_total",
+            "Streaming calls the API refused because their tenant (limit=caller) or the whole server "
+            "(limit=server) had every stream slot taken (FXPORT_MAX_STREAMS_PER_TENANT, FXPORT_GRPC_MAX_WORKERS).",
+            ["limit"],
             registry=registry,
         ),
         upload_bytes_total=Counter(

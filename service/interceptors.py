@@ -1,5 +1,6 @@
 """Server interceptors. Logging: one structured line per RPC with method, status and time.
-Metrics: the gRPC server metrics of go-grpc-prometheus (fxport/metrics.py) for every RPC."""
+Metrics: the gRPC server metrics of go-grpc-prometheus (fxport/metrics.py) for every RPC.
+Stream slots: each streaming call holds one of the limits.StreamSlots while it is open."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from typing import Any
 import grpc
 
 from fxport.service.handlers import wrap_handler
+from fxport.service.limits import (
+    STREAM_ADMITTED_METADATA,
+    STREAMS_RETRY_METADATA,
+    UNAUTHENTICATED,
+    StreamSlots,
+)
 from fxport.service.tenancy import current_tenant
 
 log = logging.getLogger("fxport.rpc")
@@ -137,5 +144,59 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 raise
             finally:
                 done(context, started, exc)
+
+        return wrap_handler(handler, unary_response, stream_response)
+
+
+class StreamSlotsInterceptor(grpc.ServerInterceptor):
+    """Every streaming call holds a `StreamSlots` slot from its start to its end; one past the
+    limits ends at once with RESOURCE_EXHAUSTED, the limit and the setting named, and the
+    trailing metadata `fxport-retry: streams`, on which the fxport client retries (and follows
+    a job by polling GetJob meanwhile). An admitted stream sends its headers at once, with
+    `fxport-stream: admitted`, so a client knows it holds a slot. Calls to `own_service` count
+    against their tenant, so this goes inside the auth interceptor, which sets it; health and
+    reflection, which need no token, share one count."""
+
+    def __init__(self, slots: StreamSlots, own_service: str) -> None:
+        self.slots, self.prefix = slots, f"/{own_service}/"
+
+    def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return handler
+        tenant_bound = details.method.startswith(self.prefix)
+        slots = self.slots
+
+        def take(context: grpc.ServicerContext) -> str:
+            caller = current_tenant() if tenant_bound else UNAUTHENTICATED
+            refused = slots.refusal(caller)
+            if refused is not None:
+                from fxport.metrics import METRICS
+
+                limit, why = refused
+                METRICS.streams_refused_total.labels(limit).inc()
+                log.warning("streaming call refused: %s", why, extra={"rpc": details.method})
+                context.set_trailing_metadata((STREAMS_RETRY_METADATA,))
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+            context.send_initial_metadata((STREAM_ADMITTED_METADATA,))
+            return caller
+
+        def unary_response(behavior: Callable[..., Any]) -> Callable[..., Any]:  # a client stream: SubmitJob
+            def wrapper(requests: Any, context: grpc.ServicerContext) -> Any:
+                caller = take(context)
+                try:
+                    return behavior(requests, context)
+                finally:
+                    slots.release(caller)
+            return wrapper
+
+        def stream_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(request: Any, context: grpc.ServicerContext) -> Any:
+                caller = take(context)  # at the first message asked for, in the thread the stream holds
+                try:
+                    yield from behavior(request, context)
+                finally:  # GeneratorExit too: the client went away
+                    slots.release(caller)
+            return wrapper
 
         return wrap_handler(handler, unary_response, stream_response)

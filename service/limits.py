@@ -1,4 +1,5 @@
-"""Per-tenant admission: how many jobs one tenant may have QUEUED or RUNNING at once.
+"""Per-tenant admission: how many jobs one tenant may have QUEUED or RUNNING at once
+(`InFlightLimit`), and how many streaming calls it may hold open (`StreamSlots`).
 
 The job store keeps an index of each tenant's in-flight jobs beside the records, so the check
 costs one read whatever the length of the tenant's history (reading the newest 1000 jobs'
@@ -46,3 +47,64 @@ class InFlightLimit:
         with lock:
             self.check(tenant, context)
             yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming calls: each holds one of the server's RPC threads for as long as it stays open
+# ---------------------------------------------------------------------------------------------
+
+STREAMS_RETRY_METADATA = ("fxport-retry", "streams")  # trailing metadata of a refusal
+STREAM_ADMITTED_METADATA = ("fxport-stream", "admitted")  # initial metadata of a stream that holds a slot
+# The key for streams of the services every caller reaches without a token (health, reflection).
+UNAUTHENTICATED = "(no tenant: health and reflection)"
+
+
+class StreamSlots:
+    """How many streaming calls (WatchJob, SubmitJob, DownloadArtifact, Health/Watch,
+    reflection) may be open at once: `per_caller` for each tenant, and for health and
+    reflection together (which need no token); `total` for the whole server, which is kept
+    below its RPC threads so that short calls and health checks always find one.
+
+    Without it one tenant holding every thread (64 WatchJob streams on its own queued job, or
+    uploads it never finishes) left every other tenant's calls, and the liveness probe's health
+    check, waiting in the server's queue until the streams closed. Counts are per API process,
+    as its threads are."""
+
+    def __init__(self, per_caller: int, total: int, threads: int) -> None:
+        self.per_caller, self.total, self.threads = per_caller, total, threads
+        self._open: dict[str, int] = {}
+        self._all = 0
+        self._lock = threading.Lock()
+
+    def open_streams(self, caller: str | None = None) -> int:
+        with self._lock:
+            return self._all if caller is None else self._open.get(caller, 0)
+
+    def refusal(self, caller: str) -> tuple[str, str] | None:
+        """Take a slot for `caller`; or (which limit, why) when none is free."""
+        with self._lock:
+            mine = self._open.get(caller, 0)
+            if mine >= self.per_caller:
+                who = (f"tenant {caller!r} already holds" if caller != UNAUTHENTICATED
+                       else "callers without a token (health, reflection) already hold")
+                return "caller", (f"{who} {mine} open streaming calls (WatchJob, SubmitJob, DownloadArtifact, "
+                                  f"Health/Watch, reflection); the limit is {self.per_caller} per tenant "
+                                  "(FXPORT_MAX_STREAMS_PER_TENANT): close some or retry later; the fxport client "
+                                  "retries, and follows a job by polling meanwhile")
+            if self._all >= self.total:
+                return "server", (f"this API server has {self._all} streaming calls open, all of its {self.total} "
+                                  f"stream slots (FXPORT_GRPC_MAX_WORKERS {self.threads} threads, less "
+                                  f"{self.threads - self.total} kept for short calls and health checks): retry "
+                                  "later, or run more API replicas")
+            self._open[caller] = mine + 1
+            self._all += 1
+            return None
+
+    def release(self, caller: str) -> None:
+        with self._lock:
+            left = self._open.get(caller, 0) - 1
+            if left > 0:
+                self._open[caller] = left
+            else:
+                self._open.pop(caller, None)
+            self._all -= 1

@@ -26,7 +26,8 @@ from fxport.config import Settings
 from fxport.jobs import JobStore, SweepResult, open_job_store, sweep_orphans
 from fxport.periodic import PeriodicTask
 from fxport.service.auth import build_auth, server_credentials
-from fxport.service.interceptors import LoggingInterceptor, MetricsInterceptor
+from fxport.service.interceptors import LoggingInterceptor, MetricsInterceptor, StreamSlotsInterceptor
+from fxport.service.limits import StreamSlots
 from fxport.service.servicer import ConversionServicer
 from fxport.service.tenancy import current_tenant
 from fxport.service.unavailable import BackendUnavailableInterceptor
@@ -112,7 +113,8 @@ class FxportServer:
 
     def __init__(self, server: grpc.Server, port: int, settings: Settings, health_servicer: Any,
                  on_start: Sequence[Callable[[], Any]], on_stop: Sequence[Callable[[], Any]],
-                 before_stop: Sequence[Callable[[], Any]] = (), metrics_servers: Sequence[Any] = ()) -> None:
+                 before_stop: Sequence[Callable[[], Any]] = (), metrics_servers: Sequence[Any] = (),
+                 stream_slots: StreamSlots | None = None) -> None:
         self.grpc_server = server
         self.port = port
         self.settings = settings
@@ -120,6 +122,7 @@ class FxportServer:
         self._health = health_servicer
         self._on_start, self._on_stop, self._before_stop = list(on_start), list(on_stop), list(before_stop)
         self._metrics_servers = metrics_servers  # filled at start when FXPORT_METRICS_PORT is set
+        self.stream_slots = stream_slots  # the streaming calls open now
 
     @property
     def metrics_port(self) -> int | None:
@@ -258,13 +261,15 @@ def create_server(
     on_stop.append(jobs.close)
 
     # Metrics outermost: refused calls count too (Unauthenticated). Then auth: a refused call
-    # never reaches the servicer (it logs its own line). Innermost: a backend outage leaves as
-    # UNAVAILABLE, which the logging and metrics interceptors record.
+    # never reaches the servicer (it logs its own line). Then the stream slots, which need the
+    # tenant auth found. Innermost: a backend outage leaves as UNAVAILABLE, which the logging and
+    # metrics interceptors record.
     rpc_metrics = [MetricsInterceptor(served_services())] if settings.metrics_port is not None else []
+    stream_slots = StreamSlots(settings.max_streams_per_tenant, settings.stream_slots, settings.grpc_max_workers)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=settings.grpc_max_workers, thread_name_prefix="fxport-rpc"),
-        interceptors=[*rpc_metrics, *([auth] if auth else []), *interceptors, LoggingInterceptor(),
-                      BackendUnavailableInterceptor()],
+        interceptors=[*rpc_metrics, *([auth] if auth else []), StreamSlotsInterceptor(stream_slots, SERVICE_NAME),
+                      *interceptors, LoggingInterceptor(), BackendUnavailableInterceptor()],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
                  ("grpc.so_reuseport", 0)],
     )
@@ -278,4 +283,5 @@ def create_server(
     port = server.add_secure_port(settings.listen, tls) if tls else server.add_insecure_port(settings.listen)
     if port == 0:
         raise OSError(f"cannot listen on {settings.listen}")
-    return FxportServer(server, port, settings, health_servicer, on_start, on_stop, before_stop, metrics_servers), port
+    return FxportServer(server, port, settings, health_servicer, on_start, on_stop, before_stop, metrics_servers,
+                        stream_slots), port
