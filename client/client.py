@@ -509,7 +509,7 @@ class Client:
             try:
                 return attempt()
             except grpc.RpcError as err:
-                if is_busy(err):  # a streaming call the server had no slot for: one frees as others end
+                if is_busy(err):  # shared capacity taken (a stream slot, spool space): it frees as calls end
                     budget = self.retry_s
                 elif err.code() != grpc.StatusCode.UNAVAILABLE:
                     raise

@@ -58,20 +58,20 @@ class CannotRunHere(FxportError):
 
 
 class ServerBusy(FxportError):
-    """RESOURCE_EXHAUSTED marked `fxport-retry: streams`: the server had no stream slot free for
-    this tenant (or at all) for as long as the client retried. Exit 4, as for a server that
-    cannot be reached: the request was fine, try again later."""
+    """RESOURCE_EXHAUSTED marked `fxport-retry: busy`: capacity every tenant shares (a stream
+    slot, spool space) was taken, for this tenant or for all, for as long as the client retried.
+    Exit 4, as for a server that cannot be reached: the request was fine, try again later."""
 
     code = "busy"
     exit_code = EXIT_UNREACHABLE
 
 
-# The trailing metadata of a streaming call refused for want of a slot (service/limits.py).
-BUSY_METADATA = ("fxport-retry", "streams")
+# The trailing metadata of a call refused while shared capacity was taken (service/limits.py).
+BUSY_METADATA = ("fxport-retry", "busy")
 
 
 def is_busy(err: grpc.RpcError) -> bool:
-    """Whether `err` is the server refusing a streaming call for want of a slot (retry later)."""
+    """Whether `err` is the server refusing a call for want of shared capacity (retry later)."""
     return (err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             and BUSY_METADATA in tuple(err.trailing_metadata() or ()))
 
@@ -128,8 +128,8 @@ def from_rpc_error(err: grpc.RpcError, target: str = "") -> FxportError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if is_busy(err):
             return ServerBusy(f"fxport server {target} busy: {text}",
-                              hint="retry later; the server's operator can raise FXPORT_MAX_STREAMS_PER_TENANT "
-                                   "or FXPORT_GRPC_MAX_WORKERS, or run more API replicas")
+                              hint="retry later; the server's operator can raise the limit it names, or run more "
+                                   "API replicas")
         return TooLarge(text)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return RequestRefused(text)

@@ -26,6 +26,10 @@ class Settings(BaseSettings):
         None, description="Artifact store: s3://BUCKET[/prefix] or file:///dir. Unset = file://$FXPORT_HOME/store."
     )
     max_upload_bytes: int = Field(4 << 30, description="Largest model or calibration upload accepted.")
+    max_spool_bytes: int = Field(
+        12 << 30, ge=1 << 20, description="Upload bytes the API spools at once, all tenants together; one tenant "
+        "may hold at most half. Keep it under the spool volume: Kubernetes evicts a pod whose emptyDir passes its "
+        "sizeLimit (16 Gi in the manifests).")
     max_spec_bytes: int = Field(64 << 10, description="Largest job spec accepted.")
     embedded_workers: int = Field(2, ge=1, description="Concurrent jobs in the embedded worker pool.")
     job_soft_time_limit_s: int = Field(1800, description="Soft per-job limit: the job FAILS cleanly, naming the stage.")
@@ -151,6 +155,14 @@ class Settings(BaseSettings):
             raise ValueError(f"job_lease_s ({self.job_lease_s}) must be shorter than visibility_timeout_s "
                              f"({self.visibility_timeout_s}): a dead worker's lease has to expire before "
                              "Redis redelivers its job")
+        return self
+
+    @model_validator(mode="after")
+    def _largest_upload_fits_a_tenants_spool_share(self) -> Settings:
+        if self.max_upload_bytes > self.max_spool_bytes // 2:
+            raise ValueError(f"max_upload_bytes ({self.max_upload_bytes}) is more than half of max_spool_bytes "
+                             f"({self.max_spool_bytes}), the most one tenant may spool: an upload that size could "
+                             "never be taken; raise FXPORT_MAX_SPOOL_BYTES (and the spool volume) with it")
         return self
 
     @property

@@ -99,7 +99,7 @@ class FxportMetrics:
     cache_misses_total: Counter
     cache_entry_reads_total: Counter
     sandbox_failures_total: Counter
-    streams_refused_total: Counter
+    busy_refusals_total: Counter
     upload_bytes_total: Counter
     direct_upload_bytes_total: Counter
     job_failures_total: Counter
@@ -229,11 +229,12 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
             ["reason"],
             registry=registry,
         ),
-        streams_refused_total=Counter(
-            "fxport_streams_refused_total",
-            "Streaming calls the API refused because their tenant (limit=caller) or the whole server "
-            "(limit=server) had every stream slot taken (FXPORT_MAX_STREAMS_PER_TENANT, FXPORT_GRPC_MAX_WORKERS).",
-            ["limit"],
+        busy_refusals_total=Counter(
+            "fxport_busy_refusals_total",
+            "Calls the API refused, to be retried, because a capacity every tenant shares was taken: resource="
+            "streams (open streaming calls, each holding an RPC thread) or spool (upload bytes being spooled); "
+            "limit=tenant (the caller's share) or server (all of it).",
+            ["resource", "limit"],
             registry=registry,
         ),
         upload_bytes_total=Counter(

@@ -13,8 +13,8 @@ import grpc
 
 from fxport.service.handlers import wrap_handler
 from fxport.service.limits import (
+    BUSY_RETRY_METADATA,
     STREAM_ADMITTED_METADATA,
-    STREAMS_RETRY_METADATA,
     UNAUTHENTICATED,
     StreamSlots,
 )
@@ -151,7 +151,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 class StreamSlotsInterceptor(grpc.ServerInterceptor):
     """Every streaming call holds a `StreamSlots` slot from its start to its end; one past the
     limits ends at once with RESOURCE_EXHAUSTED, the limit and the setting named, and the
-    trailing metadata `fxport-retry: streams`, on which the fxport client retries (and follows
+    trailing metadata `fxport-retry: busy`, on which the fxport client retries (and follows
     a job by polling GetJob meanwhile). An admitted stream sends its headers at once, with
     `fxport-stream: admitted`, so a client knows it holds a slot. Calls to `own_service` count
     against their tenant, so this goes inside the auth interceptor, which sets it; health and
@@ -174,9 +174,9 @@ class StreamSlotsInterceptor(grpc.ServerInterceptor):
                 from fxport.metrics import METRICS
 
                 limit, why = refused
-                METRICS.streams_refused_total.labels(limit).inc()
+                METRICS.busy_refusals_total.labels("streams", limit).inc()
                 log.warning("streaming call refused: %s", why, extra={"rpc": details.method})
-                context.set_trailing_metadata((STREAMS_RETRY_METADATA,))
+                context.set_trailing_metadata((BUSY_RETRY_METADATA,))
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             context.send_initial_metadata((STREAM_ADMITTED_METADATA,))
             return caller

@@ -1,5 +1,7 @@
 """Per-tenant admission: how many jobs one tenant may have QUEUED or RUNNING at once
-(`InFlightLimit`), and how many streaming calls it may hold open (`StreamSlots`).
+(`InFlightLimit`); and the API process's capacity every tenant shares, which no one tenant may
+take: its RPC threads, held by streaming calls (`StreamSlots`), and its upload spool
+(`SpoolBudget`).
 
 The job store keeps an index of each tenant's in-flight jobs beside the records, so the check
 costs one read whatever the length of the tenant's history (reading the newest 1000 jobs'
@@ -18,6 +20,7 @@ from contextlib import contextmanager
 import grpc
 
 from fxport.jobs import JobStore
+from fxport.service.uploads import Reserve, UploadRejected
 
 
 class InFlightLimit:
@@ -53,7 +56,8 @@ class InFlightLimit:
 # Streaming calls: each holds one of the server's RPC threads for as long as it stays open
 # ---------------------------------------------------------------------------------------------
 
-STREAMS_RETRY_METADATA = ("fxport-retry", "streams")  # trailing metadata of a refusal
+# Trailing metadata of a call refused while shared capacity is taken (streams, spool): retry later.
+BUSY_RETRY_METADATA = ("fxport-retry", "busy")
 STREAM_ADMITTED_METADATA = ("fxport-stream", "admitted")  # initial metadata of a stream that holds a slot
 # The key for streams of the services every caller reaches without a token (health, reflection).
 UNAUTHENTICATED = "(no tenant: health and reflection)"
@@ -87,7 +91,7 @@ class StreamSlots:
             if mine >= self.per_caller:
                 who = (f"tenant {caller!r} already holds" if caller != UNAUTHENTICATED
                        else "callers without a token (health, reflection) already hold")
-                return "caller", (f"{who} {mine} open streaming calls (WatchJob, SubmitJob, DownloadArtifact, "
+                return "tenant", (f"{who} {mine} open streaming calls (WatchJob, SubmitJob, DownloadArtifact, "
                                   f"Health/Watch, reflection); the limit is {self.per_caller} per tenant "
                                   "(FXPORT_MAX_STREAMS_PER_TENANT): close some or retry later; the fxport client "
                                   "retries, and follows a job by polling meanwhile")
@@ -108,3 +112,72 @@ class StreamSlots:
             else:
                 self._open.pop(caller, None)
             self._all -= 1
+
+
+class SpoolBudget:
+    """Bytes of uploads the API process holds in its spool at once: at most `total` for all
+    tenants together, at most half of it for any one. An upload reserves the size it declares
+    before any byte is read (one that declares none reserves its bytes as they arrive) and gives
+    it back when its files are deleted.
+
+    Without it one tenant streaming a few maximal uploads at once (each SubmitJob may stream
+    FXPORT_MAX_UPLOAD_BYTES) could fill the spool: every other tenant's upload then failed on a
+    full disk, and in Kubernetes an emptyDir past its sizeLimit has the pod evicted, ending every
+    tenant's calls on it."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.per_tenant = total, total // 2
+        self._held: dict[str, int] = {}
+        self._all = 0
+        self._lock = threading.Lock()
+
+    def held(self, tenant: str | None = None) -> int:
+        with self._lock:
+            return self._all if tenant is None else self._held.get(tenant, 0)
+
+    def reserve(self, tenant: str, n: int) -> tuple[str, str] | None:
+        """Reserve n bytes for `tenant`; or (which limit, why) when that would pass one."""
+        with self._lock:
+            mine = self._held.get(tenant, 0)
+            if mine + n > self.per_tenant:
+                return "tenant", (f"tenant {tenant!r} already has {mine} bytes of uploads in this API server's spool; "
+                                  f"{n} more would pass its share, {self.per_tenant} bytes (half of "
+                                  "FXPORT_MAX_SPOOL_BYTES): retry once its other uploads are stored; the fxport "
+                                  "client retries")
+            if self._all + n > self.total:
+                return "server", (f"this API server's spool holds {self._all} bytes of uploads in flight; {n} more "
+                                  f"would pass FXPORT_MAX_SPOOL_BYTES ({self.total}): retry later, or run more "
+                                  "API replicas")
+            self._held[tenant] = mine + n
+            self._all += n
+            return None
+
+    def release(self, tenant: str, n: int) -> None:
+        with self._lock:
+            left = self._held.get(tenant, 0) - n
+            if left > 0:
+                self._held[tenant] = left
+            else:
+                self._held.pop(tenant, None)
+            self._all -= n
+
+    @contextmanager
+    def reservation(self, tenant: str) -> Iterator[Reserve]:
+        """`reserve(n)` for one upload of `tenant`, raising UploadRejected(busy) when n more bytes
+        would pass a limit; everything it reserved is given back at the end of the block."""
+        from fxport.metrics import METRICS
+
+        taken = 0
+
+        def reserve(n: int) -> None:
+            nonlocal taken
+            refused = self.reserve(tenant, n)
+            if refused is not None:
+                METRICS.busy_refusals_total.labels("spool", refused[0]).inc()
+                raise UploadRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, refused[1], busy=True)
+            taken += n
+
+        try:
+            yield reserve
+        finally:
+            self.release(tenant, taken)

@@ -27,7 +27,7 @@ from fxport.jobs import JobStore, SweepResult, open_job_store, sweep_orphans
 from fxport.periodic import PeriodicTask
 from fxport.service.auth import build_auth, server_credentials
 from fxport.service.interceptors import LoggingInterceptor, MetricsInterceptor, StreamSlotsInterceptor
-from fxport.service.limits import StreamSlots
+from fxport.service.limits import SpoolBudget, StreamSlots
 from fxport.service.servicer import ConversionServicer
 from fxport.service.tenancy import current_tenant
 from fxport.service.unavailable import BackendUnavailableInterceptor
@@ -114,7 +114,7 @@ class FxportServer:
     def __init__(self, server: grpc.Server, port: int, settings: Settings, health_servicer: Any,
                  on_start: Sequence[Callable[[], Any]], on_stop: Sequence[Callable[[], Any]],
                  before_stop: Sequence[Callable[[], Any]] = (), metrics_servers: Sequence[Any] = (),
-                 stream_slots: StreamSlots | None = None) -> None:
+                 stream_slots: StreamSlots | None = None, spool: SpoolBudget | None = None) -> None:
         self.grpc_server = server
         self.port = port
         self.settings = settings
@@ -123,6 +123,7 @@ class FxportServer:
         self._on_start, self._on_stop, self._before_stop = list(on_start), list(on_stop), list(before_stop)
         self._metrics_servers = metrics_servers  # filled at start when FXPORT_METRICS_PORT is set
         self.stream_slots = stream_slots  # the streaming calls open now
+        self.spool = spool  # the upload bytes spooled now
 
     @property
     def metrics_port(self) -> int | None:
@@ -284,4 +285,4 @@ def create_server(
     if port == 0:
         raise OSError(f"cannot listen on {settings.listen}")
     return FxportServer(server, port, settings, health_servicer, on_start, on_stop, before_stop, metrics_servers,
-                        stream_slots), port
+                        stream_slots, servicer.spool), port

@@ -26,10 +26,10 @@ from fxport.jobs import (
 from fxport.logs import job_context
 from fxport.metrics import METRICS
 from fxport.service.dispatch import Dispatcher
-from fxport.service.limits import InFlightLimit
+from fxport.service.limits import BUSY_RETRY_METADATA, InFlightLimit, SpoolBudget
 from fxport.service.messages import STATE_FROM_PROTO, event_to_proto, job_to_proto, timestamp
 from fxport.service.tenancy import current_tenant
-from fxport.service.uploads import SpooledFile, SpooledUpload, UploadRejected, check_header
+from fxport.service.uploads import SpooledFile, SpooledUpload, UploadRejected, check_header, declared_bytes
 from fxport.spec import JobSpec, load_spec_text, parse_spec
 from fxport.storage import (
     JOB_ID_RE,
@@ -110,6 +110,13 @@ class RecentMisses:
         return at is not None and time.monotonic() - at < self.ttl_s
 
 
+def _refuse_upload(rej: UploadRejected, context: grpc.ServicerContext) -> NoReturn:
+    if rej.busy:  # refused for want of shared capacity: the same upload may be retried later
+        context.set_trailing_metadata((BUSY_RETRY_METADATA,))
+    context.abort(rej.code, rej.message)
+    raise AssertionError("context.abort raises")
+
+
 def _cache_allowed(header: pb.SubmitHeader) -> bool:
     """The submit may be answered from the cache: no `no_cache`, and a calibration file, if any,
     named by its digest."""
@@ -134,6 +141,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         self.tenant_of = tenant_of
         self.stopping = threading.Event()  # set when the server stops: open WatchJob streams end
         self.in_flight = InFlightLimit(jobs, settings.max_jobs_in_flight)
+        self.spool = SpoolBudget(settings.max_spool_bytes)
         self.cache = cache if cache is not None else ResultCache.from_settings(artifacts, settings)
         self.recent_misses = RecentMisses()
         # Where the workers' toolchain fingerprint comes from (fxport/toolchain.py).
@@ -279,7 +287,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             if header.HasField("calibration"):
                 check_header("calibration", header.calibration, self.settings.max_upload_bytes)
         except UploadRejected as rej:
-            context.abort(rej.code, rej.message)
+            _refuse_upload(rej, context)
         # 2. A repeated submit with a known key is answered before any bytes move.
         key = header.idempotency_key or None
         if key:
@@ -317,11 +325,14 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         self.in_flight.check(tenant, context)
         # 4. Bytes: spooled to disk, checked, stored content-addressed.
         started = time.monotonic()
-        with SpooledUpload(self.settings.spool_dir, self.settings.max_upload_bytes) as upload:
+        # The spool bytes it declares are reserved before any arrive, and given back once its files are deleted.
+        with (self.spool.reservation(tenant) as reserve,
+              SpooledUpload(self.settings.spool_dir, self.settings.max_upload_bytes, reserve) as upload):
             try:
+                reserve(declared_bytes(header))
                 model_file, calib_file = upload.receive(header, requests, self._model_mirror(tenant, header.model))
             except UploadRejected as rej:
-                context.abort(rej.code, rej.message)
+                _refuse_upload(rej, context)
             if use_cache and model_file is not None:  # a client that did not send the digest first
                 found = self._cache_lookup(tenant, model_file.sha256, calib_file.sha256 if calib_file else calib_sha,
                                            spec, prove=True)

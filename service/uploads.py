@@ -13,7 +13,7 @@ import hashlib
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +29,18 @@ MAX_FILENAME = 255  # informational only (the engine detects formats by content)
 
 
 class UploadRejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """`busy`: refused for want of a capacity every tenant shares (the spool), not for what was
+    sent: the same upload may be retried later."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, busy: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.busy = busy
+
+
+# Reserve n more bytes of the spool for this upload, or raise UploadRejected(busy=True).
+Reserve = Callable[[int], None]
 
 
 @dataclass
@@ -69,8 +77,11 @@ class _Sink:
     The mirror is only a shortcut: it completes only if the bytes hash to the declared digest,
     and on any trouble it is dropped and the spool file is stored the ordinary way."""
 
-    def __init__(self, what: str, header: pb.FileHeader, directory: Path, max_bytes: int, mirror: Any = None) -> None:
-        self.what, self.header, self.max_bytes = what, header, max_bytes
+    def __init__(self, what: str, header: pb.FileHeader, directory: Path, max_bytes: int, reserve: Reserve,
+                 mirror: Any = None) -> None:
+        # An upload's declared sizes are reserved before it starts (servicer.SubmitJob); one that
+        # declares none reserves its bytes as they arrive.
+        self.what, self.header, self.max_bytes, self.reserve = what, header, max_bytes, reserve
         self.path = directory / what
         self.file = open(self.path, "wb")
         self.hash = hashlib.sha256()
@@ -86,6 +97,8 @@ class _Sink:
         if self.header.size and self.size > self.header.size:
             raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"{self.what} upload is longer than the {self.header.size} bytes its header declared")
+        if not self.header.size:
+            self.reserve(len(chunk))
         self.hash.update(chunk)
         self.file.write(chunk)
         if self.mirror is not None:
@@ -124,11 +137,12 @@ class _Sink:
 
 
 class SpooledUpload:
-    """`with SpooledUpload(dir, max) as up: model, calib = up.receive(header, rest)`; files are
-    deleted on exit."""
+    """`with SpooledUpload(dir, max, reserve) as up: model, calib = up.receive(header, rest)`;
+    files are deleted on exit. `reserve` takes spool bytes as the upload needs them (the caller
+    gives them back after the exit)."""
 
-    def __init__(self, spool_dir: Path | None, max_bytes: int) -> None:
-        self.spool_dir, self.max_bytes = spool_dir, max_bytes
+    def __init__(self, spool_dir: Path | None, max_bytes: int, reserve: Reserve) -> None:
+        self.spool_dir, self.max_bytes, self.reserve = spool_dir, max_bytes, reserve
         self.dir: Path | None = None
 
     def __enter__(self) -> SpooledUpload:
@@ -147,8 +161,9 @@ class SpooledUpload:
         """`model_mirror`: a store stream upload the model's bytes also go to as they arrive."""
         assert self.dir is not None
         has_calib = header.HasField("calibration")
-        model = None if header.model.stored else _Sink("model", header.model, self.dir, self.max_bytes, model_mirror)
-        calib = (_Sink("calibration", header.calibration, self.dir, self.max_bytes)
+        model = (None if header.model.stored
+                 else _Sink("model", header.model, self.dir, self.max_bytes, self.reserve, model_mirror))
+        calib = (_Sink("calibration", header.calibration, self.dir, self.max_bytes, self.reserve)
                  if has_calib and not header.calibration.stored else None)
         phase = "model"
         try:
@@ -175,3 +190,9 @@ class SpooledUpload:
                     sink.drop_mirror()  # a refused upload leaves nothing in the store
                     if not sink.file.closed:
                         sink.file.close()
+
+
+def declared_bytes(header: pb.SubmitHeader) -> int:
+    """What a submit's header says it will send: the sizes of the files it does not mark stored."""
+    files = [header.model, *([header.calibration] if header.HasField("calibration") else [])]
+    return sum(f.size for f in files if not f.stored)

@@ -1,15 +1,23 @@
-"""Streaming calls (WatchJob, SubmitJob, DownloadArtifact, Health/Watch, reflection) each hold
-one of the API's RPC threads while they stay open. Tried as an attacker would: a tenant opening
-every stream it can, on its own job that never ends, or a caller with no token opening health and
-reflection streams, must leave other tenants' calls and the health check served. Before the
-limits, 64 WatchJob streams from one tenant (the default thread count) left every other call,
-the liveness probe's included, waiting until those streams closed.
+"""Capacity every tenant of an API process shares, tried as an attacker would.
+
+Its RPC threads: streaming calls (WatchJob, SubmitJob, DownloadArtifact, Health/Watch,
+reflection) each hold one while they stay open. A tenant opening every stream it can, on its own
+job that never ends, or a caller with no token opening health and reflection streams, must leave
+other tenants' calls and the health check served. Before the limits, 64 WatchJob streams from one
+tenant (the default thread count) left every other call, the liveness probe's included, waiting
+until those streams closed.
+
+Its upload spool: a tenant streaming uploads it never finishes must not fill it, where every
+other tenant's upload would fail on a full disk (and Kubernetes evicts a pod whose spool emptyDir
+passes its size limit).
 
 The server here is the real API on a loopback port with the real Redis, and no worker on its
 queue, so jobs stay QUEUED and their watches stay open."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +34,7 @@ from prometheus_client import REGISTRY
 from fxport.client import Client, ServerBusy
 from fxport.config import Settings
 from fxport.service.auth import new_token, token_entry
-from fxport.service.limits import StreamSlots
+from fxport.service.limits import SpoolBudget, StreamSlots
 from fxport.service.server import create_server
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
@@ -34,6 +42,8 @@ from tests.fixtures.servers import scaled
 
 THREADS, PER_TENANT = 8, 3
 SLOTS = THREADS - 2  # a quarter of the threads, at least 2, are kept for short calls and health checks
+MIB = 1 << 20
+MAX_UPLOAD, SPOOL = MIB, 2 * MIB  # a tenant may spool half: one maximal upload
 SPEC = {"targets": ["onnx"]}
 ADMITTED = ("fxport-stream", "admitted")
 
@@ -45,7 +55,9 @@ class SlotsServer:
     model: Path
     channel: grpc.Channel
     slots: StreamSlots
+    spool: SpoolBudget
     streams: list[Any] = field(default_factory=list)
+    stop_uploads: threading.Event = field(default_factory=threading.Event)
 
     def metadata(self, tenant: str) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.tokens[tenant]}"),)
@@ -82,15 +94,39 @@ class SlotsServer:
             time.sleep(0.05)
         return held
 
+    def hold_upload(self, tenant: str, size: int, stop: threading.Event | None = None) -> Any:
+        """A SubmitJob of `tenant` declaring `size` bytes (none: 0) that sends 1 KiB and then waits
+        for `stop` (or the end of the test): the spool it reserved stays taken meanwhile."""
+        stop = stop or self.stop_uploads
+
+        def requests() -> Iterator[pb.SubmitJobRequest]:
+            yield pb.SubmitJobRequest(header=pb.SubmitHeader(spec=json.dumps(SPEC), model=pb.FileHeader(
+                filename="never-finished.pt2", size=size)))
+            yield pb.SubmitJobRequest(model_chunk=b"\0" * 1024)
+            stop.wait(scaled(60))
+
+        call = self.stub.SubmitJob.future(requests(), metadata=self.metadata(tenant), timeout=scaled(60))
+        self.streams.append(call)
+        return call
+
+    def wait_spool(self, tenant: str, held: int) -> None:
+        deadline = time.monotonic() + scaled(20)
+        while self.spool.held(tenant) != held:
+            assert time.monotonic() < deadline, f"{tenant} spools {self.spool.held(tenant)} bytes, not {held}"
+            time.sleep(0.02)
+
     def close_all(self) -> None:
         """Close every stream the test opened, and wait until the server has seen each go."""
+        self.stop_uploads.set()
         for call in self.streams:
             call.cancel()
         self.streams.clear()
         deadline = time.monotonic() + scaled(20)
-        while self.slots.open_streams():
-            assert time.monotonic() < deadline, f"{self.slots.open_streams()} streams still hold a slot"
+        while self.slots.open_streams() or self.spool.held():
+            assert time.monotonic() < deadline, (f"{self.slots.open_streams()} streams still hold a slot, "
+                                                 f"{self.spool.held()} bytes still spooled")
             time.sleep(0.02)
+        self.stop_uploads.clear()
 
 
 def _refused(call: Any) -> grpc.RpcError:
@@ -98,12 +134,12 @@ def _refused(call: Any) -> grpc.RpcError:
         next(call)
     err = info.value
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
-    assert ("fxport-retry", "streams") in tuple(err.trailing_metadata() or ()), err.trailing_metadata()
+    assert ("fxport-retry", "busy") in tuple(err.trailing_metadata() or ()), err.trailing_metadata()
     return err
 
 
-def _refusals(limit: str) -> float:
-    return REGISTRY.get_sample_value("fxport_streams_refused_total", {"limit": limit}) or 0.0
+def _refusals(resource: str, limit: str = "tenant") -> float:
+    return REGISTRY.get_sample_value("fxport_busy_refusals_total", {"resource": resource, "limit": limit}) or 0.0
 
 
 def _served(server: SlotsServer, tenant: str, job_id: str) -> None:
@@ -122,15 +158,15 @@ def slots_server(redis_server, tmp_path_factory) -> Iterator[SlotsServer]:
     broker = redis_server.url.rsplit("/", 1)[0] + "/11"  # no worker listens here: jobs stay QUEUED
     settings = Settings(home=tmp / "home", listen="127.0.0.1:0", broker_url=broker, store=f"file://{tmp / 'store'}",
                         tokens_file=tmp / "tokens", grpc_max_workers=THREADS, max_streams_per_tenant=PER_TENANT,
-                        log_format="text")
+                        max_upload_bytes=MAX_UPLOAD, max_spool_bytes=SPOOL, log_format="text")
     assert settings.stream_slots == SLOTS
     srv, port = create_server(settings)
     srv.start()
     model = tmp / "model.pt2"
     model.write_bytes(b"bytes the worker would look at; no worker listens here")
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        assert srv.stream_slots is not None
-        server = SlotsServer(f"127.0.0.1:{port}", tokens, model, channel, srv.stream_slots)
+        assert srv.stream_slots is not None and srv.spool is not None
+        server = SlotsServer(f"127.0.0.1:{port}", tokens, model, channel, srv.stream_slots, srv.spool)
         try:
             yield server
         finally:
@@ -211,7 +247,7 @@ def test_calls_without_a_token_share_one_stream_count(server):
 def test_the_client_follows_a_job_by_polling_while_its_tenant_has_no_stream_slot(server):
     job_id = _queued_job(server, "alice")
     server.hold("alice", job_id, PER_TENANT)
-    refused_before = _refusals("caller")
+    refused_before = _refusals("streams")
     events: list[Any] = []
     outcome: dict[str, Any] = {}
 
@@ -225,7 +261,7 @@ def test_the_client_follows_a_job_by_polling_while_its_tenant_has_no_stream_slot
     waiter = threading.Thread(target=wait)
     waiter.start()
     deadline = time.monotonic() + scaled(20)
-    while _refusals("caller") == refused_before and waiter.is_alive():  # its watch was refused: it polls
+    while _refusals("streams") == refused_before and waiter.is_alive():  # its watch was refused: it polls
         assert time.monotonic() < deadline, "the waiting client's watch was never refused"
         time.sleep(0.02)
     with Client(server.address, token=server.tokens["alice"]) as alice:
@@ -245,7 +281,7 @@ def test_a_submit_refused_for_want_of_a_slot_is_retried_then_named(server):
             impatient.submit(server.model, SPEC)
     assert "FXPORT_MAX_STREAMS_PER_TENANT" in str(info.value) and info.value.exit_code == 4
 
-    refused_before = _refusals("caller")
+    refused_before = _refusals("streams")
     outcome: dict[str, Any] = {}
 
     def submit() -> None:
@@ -258,7 +294,7 @@ def test_a_submit_refused_for_want_of_a_slot_is_retried_then_named(server):
     submitter = threading.Thread(target=submit)
     submitter.start()
     deadline = time.monotonic() + scaled(20)
-    while _refusals("caller") == refused_before and submitter.is_alive():
+    while _refusals("streams") == refused_before and submitter.is_alive():
         assert time.monotonic() < deadline, "the submit was never refused"
         time.sleep(0.02)
     held[0].cancel()  # a slot frees up: the retry goes through
@@ -266,3 +302,89 @@ def test_a_submit_refused_for_want_of_a_slot_is_retried_then_named(server):
     assert not submitter.is_alive()
     assert "error" not in outcome, outcome.get("error")
     assert outcome["job"].state == "QUEUED"
+
+
+def _file(path: Path, size: int) -> Path:
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def test_one_tenant_cannot_fill_the_upload_spool(server, tmp_path):
+    stalled = server.hold_upload("alice", MAX_UPLOAD)  # alice's whole share, never finished
+    server.wait_spool("alice", MAX_UPLOAD)
+
+    with Client(server.address, token=server.tokens["alice"], retry_s=0.5) as impatient:
+        with pytest.raises(ServerBusy) as info:
+            impatient.submit(_file(tmp_path / "small.pt2", 100 << 10), SPEC)
+    assert (f"tenant 'alice' already has {MAX_UPLOAD} bytes of uploads in this API server's spool" in str(info.value)
+            and "half of FXPORT_MAX_SPOOL_BYTES" in str(info.value)), info.value
+    assert info.value.exit_code == 4
+    # An upload that declares no size is counted as its bytes arrive: refused at its first chunk.
+    err = _refused_future(server.hold_upload("alice", 0))
+    assert "tenant 'alice' already has" in err.details(), err.details()
+    # Other tenants upload as before, up to the whole spool.
+    with Client(server.address, token=server.tokens["bob"]) as bob:
+        assert bob.submit(_file(tmp_path / "big.pt2", MAX_UPLOAD), SPEC).state == "QUEUED"
+    # An unfinished upload gives its share back when it ends.
+    server.stop_uploads.set()
+    with pytest.raises(grpc.RpcError) as ended:
+        stalled.result(timeout=scaled(30))
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended after 1024" in ended.value.details()
+    server.wait_spool("alice", 0)
+
+
+def test_tenants_together_cannot_pass_the_spool_limit(server, tmp_path):
+    release_bob = threading.Event()
+    server.hold_upload("alice", MAX_UPLOAD)
+    bobs = server.hold_upload("bob", MAX_UPLOAD, release_bob)
+    server.wait_spool("alice", MAX_UPLOAD)
+    server.wait_spool("bob", MAX_UPLOAD)
+    model = _file(tmp_path / "carol.pt2", 100 << 10)
+
+    with Client(server.address, token=server.tokens["carol"], retry_s=0.5) as impatient:
+        with pytest.raises(ServerBusy) as info:
+            impatient.submit(model, SPEC)
+    assert (f"this API server's spool holds {SPOOL} bytes of uploads in flight" in str(info.value)
+            and "FXPORT_MAX_SPOOL_BYTES" in str(info.value)), info.value
+
+    refused_before = _refusals("spool", "server")
+    outcome: dict[str, Any] = {}
+
+    def submit() -> None:
+        try:
+            with Client(server.address, token=server.tokens["carol"], retry_s=scaled(60)) as patient:
+                outcome["job"] = patient.submit(model, SPEC)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertions below
+            outcome["error"] = exc
+
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    deadline = time.monotonic() + scaled(20)
+    while _refusals("spool", "server") == refused_before and submitter.is_alive():
+        assert time.monotonic() < deadline, "carol's submit was never refused"
+        time.sleep(0.02)
+    release_bob.set()  # bob's upload ends (incomplete): its bytes leave the spool and carol's retry goes in
+    with pytest.raises(grpc.RpcError):
+        bobs.result(timeout=scaled(30))
+    submitter.join(scaled(60))
+    assert not submitter.is_alive()
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["job"].state == "QUEUED"
+
+
+def _refused_future(call: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call.result(timeout=scaled(30))
+    err = info.value
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+    assert ("fxport-retry", "busy") in tuple(err.trailing_metadata() or ()), err.trailing_metadata()
+    return err
+
+
+def test_an_upload_limit_no_tenant_could_spool_is_refused_at_start():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"max_upload_bytes \(7516192768\) is more than half of max_spool_bytes "
+                                              r"\(12884901888\).*raise FXPORT_MAX_SPOOL_BYTES"):
+        Settings(max_upload_bytes=7 << 30)
+    assert Settings(max_upload_bytes=7 << 30, max_spool_bytes=14 << 30).max_upload_bytes == 7 << 30
