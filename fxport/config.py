@@ -64,11 +64,6 @@ class Settings(BaseSettings):
         16, ge=1, description="Streaming calls one tenant may hold open on an API process at once (health and "
         "reflection, which need no token, share one such count); past it RESOURCE_EXHAUSTED, and the fxport client "
         "retries, following a job by polling meanwhile.")
-
-    @property
-    def stream_slots(self) -> int:
-        """Streaming calls an API process admits at once: its RPC threads less those kept for short calls."""
-        return self.grpc_max_workers - max(2, self.grpc_max_workers // 4)
     log_level: str = Field("INFO", description="Log level of the server and workers.")
     log_format: str = Field("json", description="json (one object per line, with job_id) or text.")
     work_dir: Path | None = Field(None, description="Scratch space for worker jobs (default: system temp).")
@@ -164,6 +159,11 @@ class Settings(BaseSettings):
                              f"({self.max_spool_bytes}), the most one tenant may spool: an upload that size could "
                              "never be taken; raise FXPORT_MAX_SPOOL_BYTES (and the spool volume) with it")
         return self
+
+    @property
+    def stream_slots(self) -> int:
+        """Streaming calls an API process admits at once: its RPC threads less those kept for short calls."""
+        return self.grpc_max_workers - max(2, self.grpc_max_workers // 4)
 
     @property
     def redelivery_bound_s(self) -> float:

@@ -169,7 +169,7 @@ class StreamSlotsInterceptor(grpc.ServerInterceptor):
 
         def take(context: grpc.ServicerContext) -> str:
             caller = current_tenant() if tenant_bound else UNAUTHENTICATED
-            refused = slots.refusal(caller)
+            refused = slots.take(caller)
             if refused is not None:
                 from fxport.metrics import METRICS
 

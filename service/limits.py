@@ -84,8 +84,8 @@ class StreamSlots:
         with self._lock:
             return self._all if caller is None else self._open.get(caller, 0)
 
-    def refusal(self, caller: str) -> tuple[str, str] | None:
-        """Take a slot for `caller`; or (which limit, why) when none is free."""
+    def take(self, caller: str) -> tuple[str, str] | None:
+        """Take a slot for `caller`: None, or (which limit, why) when none is free."""
         with self._lock:
             mine = self._open.get(caller, 0)
             if mine >= self.per_caller:
@@ -136,7 +136,7 @@ class SpoolBudget:
             return self._all if tenant is None else self._held.get(tenant, 0)
 
     def reserve(self, tenant: str, n: int) -> tuple[str, str] | None:
-        """Reserve n bytes for `tenant`; or (which limit, why) when that would pass one."""
+        """Reserve n bytes for `tenant`: None, or (which limit, why) when that would pass one."""
         with self._lock:
             mine = self._held.get(tenant, 0)
             if mine + n > self.per_tenant:
@@ -171,6 +171,12 @@ class SpoolBudget:
 
         def reserve(n: int) -> None:
             nonlocal taken
+            if taken + n > self.per_tenant:  # this upload alone could never fit: not a matter of waiting
+                raise UploadRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"this upload needs {taken + n} bytes of the API server's spool, more than one "
+                                     f"tenant may hold, {self.per_tenant} (half of FXPORT_MAX_SPOOL_BYTES): send "
+                                     "less at once (with an S3 store, files of 16 MiB or more go straight to the "
+                                     "store and never pass the spool), or ask for a larger spool")
             refused = self.reserve(tenant, n)
             if refused is not None:
                 METRICS.busy_refusals_total.labels("spool", refused[0]).inc()

@@ -372,6 +372,22 @@ def test_tenants_together_cannot_pass_the_spool_limit(server, tmp_path):
     assert outcome["job"].state == "QUEUED"
 
 
+def test_an_upload_no_spool_share_could_hold_is_refused_as_too_large(server, tmp_path):
+    """A model and a calibration file each within the upload limit, together past a tenant's spool
+    share, could never be taken: refused at once as too large, not as busy (no retry would help)."""
+    header = pb.SubmitHeader(spec=json.dumps(SPEC), model=pb.FileHeader(filename="m.pt2", size=MAX_UPLOAD),
+                             calibration=pb.FileHeader(filename="c.npz", size=MAX_UPLOAD))
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub.SubmitJob(iter([pb.SubmitJobRequest(header=header)]), metadata=server.metadata("alice"),
+                              timeout=scaled(30))
+    err = info.value
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("fxport-retry", "busy") not in tuple(err.trailing_metadata() or ())
+    assert (f"this upload needs {2 * MAX_UPLOAD} bytes of the API server's spool, more than one tenant may hold, "
+            f"{MAX_UPLOAD}" in err.details()), err.details()
+    assert server.spool.held() == 0
+
+
 def _refused_future(call: Any) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call.result(timeout=scaled(30))
