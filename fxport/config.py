@@ -61,9 +61,10 @@ class Settings(BaseSettings):
         64, ge=4, description="Threads serving RPCs. Each open streaming call (WatchJob, SubmitJob, DownloadArtifact) "
         "holds one; a quarter of them (at least 2) are kept for short calls and health checks.")
     max_streams_per_tenant: int = Field(
-        16, ge=1, description="Streaming calls one tenant may hold open on an API process at once (health and "
+        32, ge=1, description="Streaming calls one tenant may hold open on an API process at once (health and "
         "reflection, which need no token, share one such count); past it RESOURCE_EXHAUSTED, and the fxport client "
-        "retries, following a job by polling meanwhile.")
+        "retries, following a job by polling meanwhile. The default lets one tenant's 32 CI pipelines each watch "
+        "a job, and leaves 16 of the default 48 stream slots to the other tenants.")
     log_level: str = Field("INFO", description="Log level of the server and workers.")
     log_format: str = Field("json", description="json (one object per line, with job_id) or text.")
     work_dir: Path | None = Field(None, description="Scratch space for worker jobs (default: system temp).")
