@@ -53,7 +53,8 @@ class InFlightLimit:
 
 
 # ---------------------------------------------------------------------------------------------
-# Streaming calls: each holds one of the server's RPC threads for as long as it stays open
+# Capacity every tenant of an API process shares: its RPC threads (each streaming call holds one
+# for as long as it stays open) and its upload spool
 # ---------------------------------------------------------------------------------------------
 
 # Trailing metadata of a call refused while shared capacity is taken (streams, spool): retry later.
@@ -63,7 +64,34 @@ STREAM_ADMITTED_METADATA = ("fxport-stream", "admitted")  # initial metadata of 
 UNAUTHENTICATED = "(no tenant: health and reflection)"
 
 
-class StreamSlots:
+class _SharedCounts:
+    """An amount held per caller, and their total, under one lock (StreamSlots, SpoolBudget)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, int] = {}
+        self._all = 0
+        self._lock = threading.Lock()
+
+    def held(self, caller: str | None = None) -> int:
+        """What `caller` holds now; everyone's together when None."""
+        with self._lock:
+            return self._all if caller is None else self._held.get(caller, 0)
+
+    def _add(self, caller: str, n: int) -> None:  # with the lock held
+        self._held[caller] = self._held.get(caller, 0) + n
+        self._all += n
+
+    def release(self, caller: str, n: int = 1) -> None:
+        with self._lock:
+            left = self._held.get(caller, 0) - n
+            if left > 0:
+                self._held[caller] = left
+            else:
+                self._held.pop(caller, None)
+            self._all -= n
+
+
+class StreamSlots(_SharedCounts):
     """How many streaming calls (WatchJob, SubmitJob, DownloadArtifact, Health/Watch,
     reflection) may be open at once: `per_caller` for each tenant, and for health and
     reflection together (which need no token); `total` for the whole server, which is kept
@@ -75,19 +103,13 @@ class StreamSlots:
     as its threads are."""
 
     def __init__(self, per_caller: int, total: int, threads: int) -> None:
+        super().__init__()
         self.per_caller, self.total, self.threads = per_caller, total, threads
-        self._open: dict[str, int] = {}
-        self._all = 0
-        self._lock = threading.Lock()
-
-    def open_streams(self, caller: str | None = None) -> int:
-        with self._lock:
-            return self._all if caller is None else self._open.get(caller, 0)
 
     def take(self, caller: str) -> tuple[str, str] | None:
         """Take a slot for `caller`: None, or (which limit, why) when none is free."""
         with self._lock:
-            mine = self._open.get(caller, 0)
+            mine = self._held.get(caller, 0)
             if mine >= self.per_caller:
                 who = (f"tenant {caller!r} already holds" if caller != UNAUTHENTICATED
                        else "callers without a token (health, reflection) already hold")
@@ -100,21 +122,11 @@ class StreamSlots:
                                   f"stream slots (FXPORT_GRPC_MAX_WORKERS {self.threads} threads, less "
                                   f"{self.threads - self.total} kept for short calls and health checks): retry "
                                   "later, or run more API replicas")
-            self._open[caller] = mine + 1
-            self._all += 1
+            self._add(caller, 1)
             return None
 
-    def release(self, caller: str) -> None:
-        with self._lock:
-            left = self._open.get(caller, 0) - 1
-            if left > 0:
-                self._open[caller] = left
-            else:
-                self._open.pop(caller, None)
-            self._all -= 1
 
-
-class SpoolBudget:
+class SpoolBudget(_SharedCounts):
     """Bytes of uploads the API process holds in its spool at once: at most `total` for all
     tenants together, at most half of it for any one. An upload reserves the size it declares
     before any byte is read (one that declares none reserves its bytes as they arrive) and gives
@@ -126,14 +138,8 @@ class SpoolBudget:
     tenant's calls on it."""
 
     def __init__(self, total: int) -> None:
+        super().__init__()
         self.total, self.per_tenant = total, total // 2
-        self._held: dict[str, int] = {}
-        self._all = 0
-        self._lock = threading.Lock()
-
-    def held(self, tenant: str | None = None) -> int:
-        with self._lock:
-            return self._all if tenant is None else self._held.get(tenant, 0)
 
     def reserve(self, tenant: str, n: int) -> tuple[str, str] | None:
         """Reserve n bytes for `tenant`: None, or (which limit, why) when that would pass one."""
@@ -148,18 +154,8 @@ class SpoolBudget:
                 return "server", (f"this API server's spool holds {self._all} bytes of uploads in flight; {n} more "
                                   f"would pass FXPORT_MAX_SPOOL_BYTES ({self.total}): retry later, or run more "
                                   "API replicas")
-            self._held[tenant] = mine + n
-            self._all += n
+            self._add(tenant, n)
             return None
-
-    def release(self, tenant: str, n: int) -> None:
-        with self._lock:
-            left = self._held.get(tenant, 0) - n
-            if left > 0:
-                self._held[tenant] = left
-            else:
-                self._held.pop(tenant, None)
-            self._all -= n
 
     @contextmanager
     def reservation(self, tenant: str) -> Iterator[Reserve]:

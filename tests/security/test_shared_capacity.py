@@ -122,8 +122,8 @@ class SlotsServer:
             call.cancel()
         self.streams.clear()
         deadline = time.monotonic() + scaled(20)
-        while self.slots.open_streams() or self.spool.held():
-            assert time.monotonic() < deadline, (f"{self.slots.open_streams()} streams still hold a slot, "
+        while self.slots.held() or self.spool.held():
+            assert time.monotonic() < deadline, (f"{self.slots.held()} streams still hold a slot, "
                                                  f"{self.spool.held()} bytes still spooled")
             time.sleep(0.02)
         self.stop_uploads.clear()
