@@ -87,7 +87,8 @@ class Settings(BaseSettings):
         1800, ge=10, description="Ceiling on a job's spec.limits.timeout_s (sandbox wall clock).")
     events_ttl_s: int = Field(
         7 * 24 * 3600, ge=60, description="A job's event stream (Redis) expires this long after its last event; "
-        "WatchJob on an older job then answers with its final state alone. The job record itself is kept.")
+        "WatchJob on an older job then answers with its final state alone. The job record stays until retention "
+        "removes it (job_retention_s).")
     # Reliability (deploy/README.md, "Reliability"). A dead worker's job is redelivered within
     # about visibility_timeout_s + unacked_restore_interval_s; a live worker keeps its job's
     # message invisible and holds a job lease, so no second worker starts it meanwhile.
@@ -143,6 +144,18 @@ class Settings(BaseSettings):
     cache_sweep_interval_s: float = Field(
         3600.0, ge=0, description="How often the API server applies cache_max_age_s and cache_max_bytes; 0 = never "
         "(call fxport.cache.ResultCache.sweep yourself).")
+
+    # Retention (fxport/retention.py, deploy/README.md "Retention").
+    job_retention_s: float = Field(
+        30 * 24 * 3600.0, ge=0, description="A finished job (its record, events and artifacts) is removed this long "
+        "after it ends; 0 = no age limit. Artifacts a cache hit shares stay while that job does.")
+    max_finished_jobs_per_tenant: int = Field(
+        10_000, ge=0, description="Job records one tenant may keep; past it the oldest finished jobs are removed "
+        "first (QUEUED and RUNNING ones never); 0 = no count limit. With the age limit off too, job records and "
+        "artifacts are kept for good and the job store grows without bound.")
+    retention_sweep_interval_s: float = Field(
+        300.0, ge=0, description="How often the API server removes the finished jobs retention no longer keeps (and "
+        "at once when a submit takes a tenant past max_finished_jobs_per_tenant); 0 = never.")
 
     @model_validator(mode="after")
     def _lease_expires_before_redelivery(self) -> Settings:

@@ -36,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from fxport.storage import JOB_ID_RE
+from fxport.storage import JOB_ID_RE, job_prefix
 
 
 class JobState(str, Enum):
@@ -114,6 +114,9 @@ class JobRecord(BaseModel):
     idempotency_key: str | None = None
     task_id: str | None = None
     last_seq: int = 0
+    artifacts_of: str | None = Field(
+        None, description="A cache hit: the job whose artifacts it shares. They are kept while any job sharing "
+                          "them is (JobStore.remove).")
 
     @property
     def terminal(self) -> bool:
@@ -151,6 +154,21 @@ class IdempotencyConflict(Exception):
 
 
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
+
+
+class SharedArtifactsGone(Exception):
+    """A cache hit's source job was removed (retention) between the lookup and the new record:
+    its artifacts are going, so the submit is converted instead."""
+
+
+def job_id_time(job_id: str) -> float | None:
+    """The creation time (Unix seconds) a job id carries (see new_job_id); None for a malformed id."""
+    if len(job_id) != 26 or not all(c in _CROCKFORD for c in job_id):
+        return None
+    value = 0
+    for c in job_id:
+        value = (value << 5) | _CROCKFORD.index(c)
+    return (value >> 80) / 1000.0
 
 
 def new_job_id(now: float | None = None) -> str:
@@ -330,6 +348,39 @@ class JobStore(ABC):
         ones no longer in flight — what admission does before it refuses a submit. (A job
         recorded before the index existed is counted from its next update on.)"""
 
+    # -- retention (fxport/retention.py): finished jobs are removed, their artifacts after them ---
+    # A cache hit's record shares its source job's artifacts (`artifacts_of`). Removing a job
+    # queues its artifact prefix for deletion only once no remaining job shares it, in the same
+    # atomic step; and a new share is only recorded while the source job still exists (create
+    # raises SharedArtifactsGone otherwise). So no remaining record ever points at deleted bytes.
+
+    @abstractmethod
+    def tenants(self) -> list[str]:
+        """Every tenant with a job record."""
+
+    @abstractmethod
+    def ids_asc(self, tenant: str, after: str | None, limit: int) -> list[str]:
+        """Job ids of `tenant`, oldest first, strictly above `after`."""
+
+    @abstractmethod
+    def count_jobs(self, tenant: str) -> int:
+        """How many job records `tenant` has, in any state."""
+
+    @abstractmethod
+    def remove(self, job_id: str) -> bool | None:
+        """Delete a finished job: its record, events, lease, idempotency key and index entries;
+        queue its artifact prefix for deletion unless a job still shares it, and its source's
+        prefix when it was the last job sharing that one and the source is gone. True: removed;
+        False: kept, because it is QUEUED or RUNNING; None: no such job."""
+
+    @abstractmethod
+    def pending_deletions(self, limit: int = 100) -> list[str]:
+        """Artifact prefixes queued by `remove`, oldest first."""
+
+    @abstractmethod
+    def deletion_done(self, prefix: str) -> None:
+        """Drop `prefix` from the queue once its objects are deleted."""
+
     # -- job leases (DESIGN.md §7): at most one live worker runs a job -----------------------
     # A worker takes the lease before it starts a job and renews it while the job runs; a
     # redelivered copy of the job finds it held and waits. The lease expires on its own when
@@ -397,6 +448,14 @@ class JobStore(ABC):
                 return out, None
 
 
+def _shared_source(rec: JobRecord) -> tuple[str, str] | None:
+    """(source job id, its artifact prefix) for a record that shares another job's artifacts."""
+    if not rec.artifacts_of or not rec.artifacts:
+        return None
+    tenant = rec.artifacts[0].key.split("/", 1)[0]
+    return rec.artifacts_of, job_prefix(tenant, rec.artifacts_of)
+
+
 def _same_request(a: JobRecord, b: JobRecord) -> bool:
     return (
         a.model.sha256 == b.model.sha256
@@ -413,14 +472,43 @@ _CREATE_LUA = """
 if ARGV[4] ~= '' then
   local existing = redis.call('GET', KEYS[4])
   if existing then return existing end
-  redis.call('SET', KEYS[4], ARGV[1])
 end
+if ARGV[9] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then return false end
+if ARGV[4] ~= '' then redis.call('SET', KEYS[4], ARGV[1]) end
 redis.call('HSET', KEYS[1], 'record', ARGV[2], 'state', ARGV[3], 'seq', 1)
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '0-1', 'e', ARGV[5])
 redis.call('EXPIRE', KEYS[2], ARGV[8])
 redis.call('ZADD', KEYS[3], 0, ARGV[1])
 if ARGV[7] == '1' then redis.call('SADD', KEYS[5], ARGV[1]) end
+if ARGV[9] == '1' then redis.call('SADD', KEYS[7], ARGV[1]) end
 return ARGV[1]
+"""
+
+# KEYS: 1 job, 2 events, 3 tenant's jobs, 4 in-flight, 5 running, 6 lease, 7 heartbeat,
+# 8 idempotency key (or a placeholder), 9 jobs sharing this one's artifacts, 10 the deletion
+# queue, 11 the source job (or a placeholder), 12 jobs sharing the source's artifacts.
+# ARGV: 1 job id, 2 its artifact prefix, 3 '1' when it shares a source's artifacts, 4 the
+# source's prefix.
+_REMOVE_LUA = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  return 0
+end
+if state == 'QUEUED' or state == 'RUNNING' then return -1 end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[6], KEYS[7])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('SREM', KEYS[4], ARGV[1])
+redis.call('SREM', KEYS[5], ARGV[1])
+if redis.call('GET', KEYS[8]) == ARGV[1] then redis.call('DEL', KEYS[8]) end
+if redis.call('SCARD', KEYS[9]) == 0 then redis.call('RPUSH', KEYS[10], ARGV[2]) end
+if ARGV[3] == '1' then
+  redis.call('SREM', KEYS[12], ARGV[1])
+  if redis.call('SCARD', KEYS[12]) == 0 and redis.call('EXISTS', KEYS[11]) == 0 then
+    redis.call('RPUSH', KEYS[10], ARGV[4])
+  end
+end
+return 1
 """
 
 
@@ -480,6 +568,7 @@ class RedisJobStore(JobStore):
         self._acquire = self.r.register_script(_ACQUIRE_LEASE_LUA)
         self._renew = self.r.register_script(_RENEW_LEASE_LUA)
         self._release = self.r.register_script(_RELEASE_LEASE_LUA)
+        self._remove = self.r.register_script(_REMOVE_LUA)
 
     def _job(self, job_id: str) -> str:
         return f"{self.ns}:job:{job_id}"
@@ -506,16 +595,27 @@ class RedisJobStore(JobStore):
     def _idem(self, tenant: str, key: str) -> str:
         return f"{self.ns}:idem:{tenant}:{_idem_digest(key)}"
 
+    def _shares(self, job_id: str) -> str:
+        return f"{self.ns}:shares:{job_id}"
+
+    def _deletions(self) -> str:
+        return f"{self.ns}:artifact-deletions"
+
     def create(self, record: JobRecord) -> tuple[JobRecord, bool]:
         rec = record.model_copy(update={"last_seq": 1})
         idem = rec.idempotency_key or ""
+        source = rec.artifacts_of or ""
         job_id = self._create(
             keys=[self._job(rec.id), self._events(rec.id), self._tenant_jobs(rec.tenant),
-                  self._idem(rec.tenant, idem) if idem else f"{self.ns}:noidem", self._in_flight(rec.tenant)],
+                  self._idem(rec.tenant, idem) if idem else f"{self.ns}:noidem", self._in_flight(rec.tenant),
+                  self._job(source) if source else f"{self.ns}:nosource",
+                  self._shares(source) if source else f"{self.ns}:nosource"],
             args=[rec.id, rec.model_dump_json(), rec.state.value, idem,
                   event_for(rec, 1).model_dump_json(), self.EVENTS_MAXLEN,
-                  "1" if rec.state in IN_FLIGHT_STATES else "0", self.events_ttl_s],
+                  "1" if rec.state in IN_FLIGHT_STATES else "0", self.events_ttl_s, "1" if source else "0"],
         )
+        if job_id is None:
+            raise SharedArtifactsGone(f"job {source} was removed")
         if job_id == rec.id:
             return rec, True
         existing = self.get(job_id)
@@ -623,6 +723,41 @@ class RedisJobStore(JobStore):
                     pass
         return len(ids) - len(stale)
 
+    def tenants(self) -> list[str]:
+        head, tail = f"{self.ns}:tenant:", ":jobs"
+        return sorted({key[len(head):-len(tail)] for key in self.r.scan_iter(match=f"{head}*{tail}", count=500)})
+
+    def ids_asc(self, tenant: str, after: str | None, limit: int) -> list[str]:
+        lo = f"({after}" if after else "-"
+        ids: list[str] = self.r.zrangebylex(self._tenant_jobs(tenant), lo, "+", start=0, num=limit)
+        return ids
+
+    def count_jobs(self, tenant: str) -> int:
+        return int(self.r.zcard(self._tenant_jobs(tenant)))
+
+    def remove(self, job_id: str) -> bool | None:
+        rec = self.get(job_id)
+        if rec is None:
+            return None
+        idem = rec.idempotency_key or ""
+        source = _shared_source(rec)
+        done = self._remove(
+            keys=[self._job(job_id), self._events(job_id), self._tenant_jobs(rec.tenant),
+                  self._in_flight(rec.tenant), self._running(), self._lease(job_id), self._heartbeat(job_id),
+                  self._idem(rec.tenant, idem) if idem else f"{self.ns}:noidem", self._shares(job_id),
+                  self._deletions(), self._job(source[0]) if source else f"{self.ns}:nosource",
+                  self._shares(source[0]) if source else f"{self.ns}:nosource"],
+            args=[job_id, job_prefix(rec.tenant, job_id), "1" if source else "0", source[1] if source else ""],
+        )
+        return {1: True, -1: False}.get(int(done))
+
+    def pending_deletions(self, limit: int = 100) -> list[str]:
+        prefixes: list[str] = self.r.lrange(self._deletions(), 0, max(1, limit) - 1)
+        return prefixes
+
+    def deletion_done(self, prefix: str) -> None:
+        self.r.lrem(self._deletions(), 0, prefix)
+
     def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
         holder = self._acquire(keys=[self._lease(job_id), self._heartbeat(job_id)],
                                args=[owner, max(1, int(ttl_s * 1000)), self.HEARTBEAT_KEEP_S])
@@ -668,6 +803,10 @@ CREATE TABLE IF NOT EXISTS idempotency (
   tenant TEXT NOT NULL, key_sha256 TEXT NOT NULL, job_id TEXT NOT NULL, PRIMARY KEY (tenant, key_sha256));
 CREATE TABLE IF NOT EXISTS leases (
   job_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_at REAL NOT NULL, heartbeat_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS shares (
+  source TEXT NOT NULL, job_id TEXT NOT NULL, PRIMARY KEY (source, job_id));
+CREATE TABLE IF NOT EXISTS artifact_deletions (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, prefix TEXT NOT NULL);
 """
 
 
@@ -706,6 +845,10 @@ class SqliteJobStore(JobStore):
                     "INSERT OR REPLACE INTO idempotency VALUES (?,?,?)",
                     (rec.tenant, _idem_digest(rec.idempotency_key), rec.id),
                 )
+            if rec.artifacts_of:
+                if not db.execute("SELECT 1 FROM jobs WHERE id=?", (rec.artifacts_of,)).fetchone():
+                    raise SharedArtifactsGone(f"job {rec.artifacts_of} was removed")
+                db.execute("INSERT OR IGNORE INTO shares VALUES (?,?)", (rec.artifacts_of, rec.id))
             db.execute("INSERT INTO jobs VALUES (?,?,?,?)",
                        (rec.id, rec.tenant, rec.state.value, rec.model_dump_json()))
             db.execute("INSERT INTO events VALUES (?,?,?)", (rec.id, 1, event_for(rec, 1).model_dump_json()))
@@ -778,6 +921,51 @@ class SqliteJobStore(JobStore):
                 (tenant, *wanted),
             ).fetchone()
         return int(row[0])
+
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT DISTINCT tenant FROM jobs ORDER BY tenant").fetchall()]
+
+    def ids_asc(self, tenant: str, after: str | None, limit: int) -> list[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM jobs WHERE tenant=? AND id>? ORDER BY id LIMIT ?",
+                                    (tenant, after or "", limit)).fetchall()
+        return [r[0] for r in rows]
+
+    def count_jobs(self, tenant: str) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM jobs WHERE tenant=?", (tenant,)).fetchone()[0])
+
+    def remove(self, job_id: str) -> bool | None:
+        with self._tx() as db:
+            rec = self._get(job_id)
+            if rec is None:
+                return None
+            if not rec.terminal:
+                return False
+            db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+            db.execute("DELETE FROM events WHERE job_id=?", (job_id,))
+            db.execute("DELETE FROM leases WHERE job_id=?", (job_id,))
+            db.execute("DELETE FROM idempotency WHERE job_id=?", (job_id,))
+            if not db.execute("SELECT 1 FROM shares WHERE source=?", (job_id,)).fetchone():
+                db.execute("INSERT INTO artifact_deletions (prefix) VALUES (?)", (job_prefix(rec.tenant, job_id),))
+            source = _shared_source(rec)
+            if source:
+                db.execute("DELETE FROM shares WHERE source=? AND job_id=?", (source[0], job_id))
+                if not db.execute("SELECT 1 FROM shares WHERE source=?", (source[0],)).fetchone() \
+                        and not db.execute("SELECT 1 FROM jobs WHERE id=?", (source[0],)).fetchone():
+                    db.execute("INSERT INTO artifact_deletions (prefix) VALUES (?)", (source[1],))
+        return True
+
+    def pending_deletions(self, limit: int = 100) -> list[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT prefix FROM artifact_deletions ORDER BY seq LIMIT ?",
+                                    (max(1, limit),)).fetchall()
+        return [r[0] for r in rows]
+
+    def deletion_done(self, prefix: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM artifact_deletions WHERE prefix=?", (prefix,))
 
     def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
         now = time.time()

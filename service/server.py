@@ -276,6 +276,13 @@ def create_server(
     )
     servicer = ConversionServicer(settings, jobs, artifacts, dispatcher, tenant_of=tenant_of)
     before_stop.insert(0, servicer.stopping.set)
+    if settings.retention_sweep_interval_s > 0:
+        from fxport.retention import RetentionSweeper
+
+        retention = RetentionSweeper(jobs, artifacts, servicer.retention, settings.retention_sweep_interval_s)
+        servicer.retention_sweeper = retention
+        on_start.append(retention.start)
+        before_stop.append(retention.stop)
     metrics_servers = _add_cache_and_metrics(settings, servicer, on_start, on_stop, before_stop)
     pb_grpc.add_ConversionServiceServicer_to_server(servicer, server)
     health_servicer = HealthServicer()

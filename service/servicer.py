@@ -21,10 +21,12 @@ from fxport.jobs import (
     JobRecord,
     JobState,
     JobStore,
+    SharedArtifactsGone,
     new_job_id,
 )
 from fxport.logs import job_context
 from fxport.metrics import METRICS
+from fxport.retention import RetentionPolicy, RetentionSweeper
 from fxport.service.dispatch import Dispatcher
 from fxport.service.limits import BUSY_RETRY_METADATA, InFlightLimit, SpoolBudget
 from fxport.service.messages import STATE_FROM_PROTO, event_to_proto, job_to_proto, timestamp
@@ -144,10 +146,19 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         self.spool = SpoolBudget(settings.max_spool_bytes)
         self.cache = cache if cache is not None else ResultCache.from_settings(artifacts, settings)
         self.recent_misses = RecentMisses()
+        self.retention = RetentionPolicy(settings.job_retention_s, settings.max_finished_jobs_per_tenant)
+        self.retention_sweeper: RetentionSweeper | None = None  # set by create_server when it sweeps
         # Where the workers' toolchain fingerprint comes from (fxport/toolchain.py).
         self.toolchains = toolchains if toolchains is not None else _toolchain_source(settings)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _after_create(self, tenant: str) -> None:
+        """A new record: past the tenant's count limit, the retention sweep runs now rather than
+        at its next interval, so a submit loop cannot outgrow the limit by more than one sweep."""
+        keep = self.retention.keep_per_tenant
+        if keep and self.retention_sweeper is not None and self.jobs.count_jobs(tenant) > keep:
+            self.retention_sweeper.wake_for(tenant)
 
     def _owned(self, job_id: str, context: grpc.ServicerContext) -> JobRecord:
         """The job, if it exists and belongs to the caller's tenant; NOT_FOUND otherwise
@@ -156,7 +167,8 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job_id: {job_id[:80]!r} is not a job id")
         rec = self.jobs.get(job_id)
         if rec is None or rec.tenant != self.tenant_of(context):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id}")
+            kept = f"; {self.retention.describe()}" if self.retention.active else ""
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id}{kept}")
         assert rec is not None  # context.abort raised otherwise
         return rec
 
@@ -200,8 +212,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         return found
 
     def _answer_from_cache(self, tenant: str, spec: JobSpec, header: pb.SubmitHeader, found: Lookup,
-                           idempotency_key: str | None, context: grpc.ServicerContext) -> pb.Job:
-        """A new job in the caller's tenant, SUCCEEDED at once, pointing at the cached artifacts."""
+                           idempotency_key: str | None, context: grpc.ServicerContext) -> pb.Job | None:
+        """A new job in the caller's tenant, SUCCEEDED at once, sharing the cached artifacts; None when
+        the job that made them was removed meanwhile (the submit then converts)."""
         entry = found.entry
         assert entry is not None
         now = time.time()
@@ -218,12 +231,18 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             model=InputRef(sha256=entry.model_sha256, bytes=entry.model_bytes, filename=header.model.filename,
                            key=input_key(tenant, entry.model_sha256)),
             calibration=calibration, artifacts=entry.artifacts, cache_hit=True, idempotency_key=idempotency_key,
-            created_at=now, updated_at=now, started_at=now, finished_at=now,
+            created_at=now, updated_at=now, started_at=now, finished_at=now, artifacts_of=entry.job_id,
         )
         try:
-            rec, _ = self.jobs.create(rec)
+            rec, created = self.jobs.create(rec)
         except IdempotencyConflict as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except SharedArtifactsGone:  # retention removed the job that made them: convert instead
+            log.info("cache entry of a removed job dropped", extra={"cache_key": found.key, "source": entry.job_id})
+            self.cache.drop(entry.key)
+            return None
+        if created:
+            self._after_create(tenant)
         METRICS.cache_hits_total.inc()
         with job_context(rec.id):
             log.info("job answered from the cache", extra={"tenant": tenant, "cache_key": found.key,
@@ -336,8 +355,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             if use_cache and model_file is not None:  # a client that did not send the digest first
                 found = self._cache_lookup(tenant, model_file.sha256, calib_file.sha256 if calib_file else calib_sha,
                                            spec, prove=True)
-                if found.hit:
-                    return self._answer_from_cache(tenant, spec, header, found, key, context)
+                answered = self._answer_from_cache(tenant, spec, header, found, key, context) if found.hit else None
+                if answered is not None:
+                    return answered
             received_s = time.monotonic() - started
             try:
                 model = (self._store_input(tenant, model_file) if model_file
@@ -367,6 +387,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         with job_context(rec.id):
             if not created:
                 return job_to_proto(rec)
+            self._after_create(tenant)
             try:
                 self.dispatcher.enqueue(rec.id)
             except Exception as exc:
@@ -491,7 +512,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 rec.id, state=JobState.CANCELLED, message="cancelled",
                 error=JobErrorInfo(stage=rec.stage, code="cancelled", message="cancelled by request"),
             )
-            assert new is not None  # job records are never deleted, and _owned found this one
+            if new is None:  # removed by retention since _owned found it: it had finished
+                context.abort(grpc.StatusCode.NOT_FOUND, f"no job {rec.id}; {self.retention.describe()}")
+            assert new is not None  # context.abort raised otherwise
             if changed:
                 self.dispatcher.cancel(new)
                 try:

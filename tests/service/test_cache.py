@@ -351,3 +351,38 @@ def test_cross_tenant_sharing_when_the_operator_enables_it(tmp_path, tiny_pt2):
             hit.download(tmp_path / "out")  # the other tenant's objects, readable through this job
     finally:
         api.stop()
+
+
+def test_a_hit_keeps_the_artifacts_it_shares_once_retention_removes_the_job_that_made_them(
+        cache_api, tiny_pt2, tmp_path):
+    """Retention (fxport/retention.py) removes the job whose artifacts a cache entry points at:
+    the cache hit already answered keeps them, and the next identical submit converts anew
+    instead of being answered with a removed job's artifacts."""
+    from fxport.retention import RetentionPolicy, sweep_finished
+
+    spec = {**SPEC, "verify": {"samples": 5}}  # a cache key of this test's own
+    jobs, store = cache_api.stack.job_store(), cache_api.stack.artifact_store()
+    drain = RetentionPolicy(retention_s=0, keep_per_tenant=0)  # removes nothing; deletes what is queued
+    try:
+        with cache_api.client() as c:
+            source = _converted(c, tiny_pt2, spec)
+            hit = c.submit(tiny_pt2, spec)
+            assert hit.message.cache_hit and [a["key"] for a in hit.artifacts] == [a["key"] for a in source.artifacts]
+
+            assert jobs.remove(source.id) is True  # what the sweep does once the source is due
+            assert sweep_finished(jobs, store, drain).deleted_prefixes == []  # the hit shares them
+            assert all(store.head(a["key"]) is not None for a in source.artifacts)
+            paths = c.get(hit.id).download(tmp_path / "hit")
+            assert {p.name for p in paths} >= {"model.ts", "manifest.json"}
+
+            again = c.submit(tiny_pt2, spec)
+            assert not again.message.cache_hit, again.to_dict()
+            again.wait(timeout=180)
+            assert again.state == "SUCCEEDED", again.error
+
+            assert jobs.remove(hit.id) is True  # the last job sharing them: they go with it
+            deleted = sweep_finished(jobs, store, drain).deleted_prefixes
+            assert f"{TENANTS[0]}/jobs/{source.id}/" in deleted, deleted
+            assert [store.head(a["key"]) for a in source.artifacts] == [None] * len(source.artifacts)
+    finally:
+        jobs.close()
