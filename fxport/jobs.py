@@ -367,11 +367,12 @@ class JobStore(ABC):
         """How many job records `tenant` has, in any state."""
 
     @abstractmethod
-    def remove(self, job_id: str) -> bool | None:
+    def remove(self, job_id: str, tenant: str | None = None) -> bool | None:
         """Delete a finished job: its record, events, lease, idempotency key and index entries;
         queue its artifact prefix for deletion unless a job still shares it, and its source's
         prefix when it was the last job sharing that one and the source is gone. True: removed;
-        False: kept, because it is QUEUED or RUNNING; None: no such job."""
+        False: kept, because it is QUEUED or RUNNING; None: no such job (`tenant`'s index entry
+        for it, if one was left, is dropped)."""
 
     @abstractmethod
     def pending_deletions(self, limit: int = 100) -> list[str]:
@@ -735,9 +736,11 @@ class RedisJobStore(JobStore):
     def count_jobs(self, tenant: str) -> int:
         return int(self.r.zcard(self._tenant_jobs(tenant)))
 
-    def remove(self, job_id: str) -> bool | None:
+    def remove(self, job_id: str, tenant: str | None = None) -> bool | None:
         rec = self.get(job_id)
         if rec is None:
+            if tenant is not None:
+                self.r.zrem(self._tenant_jobs(tenant), job_id)
             return None
         idem = rec.idempotency_key or ""
         source = _shared_source(rec)
@@ -936,8 +939,8 @@ class SqliteJobStore(JobStore):
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM jobs WHERE tenant=?", (tenant,)).fetchone()[0])
 
-    def remove(self, job_id: str) -> bool | None:
-        with self._tx() as db:
+    def remove(self, job_id: str, tenant: str | None = None) -> bool | None:
+        with self._tx() as db:  # the record is the index here: none is ever left without it
             rec = self._get(job_id)
             if rec is None:
                 return None

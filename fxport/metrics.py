@@ -100,6 +100,7 @@ class FxportMetrics:
     cache_entry_reads_total: Counter
     sandbox_failures_total: Counter
     busy_refusals_total: Counter
+    jobs_removed_total: Counter
     upload_bytes_total: Counter
     direct_upload_bytes_total: Counter
     job_failures_total: Counter
@@ -235,6 +236,13 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
             "streams (open streaming calls, each holding an RPC thread) or spool (upload bytes being spooled); "
             "limit=tenant (the caller's share) or server (all of it).",
             ["resource", "limit"],
+            registry=registry,
+        ),
+        jobs_removed_total=Counter(
+            "fxport_jobs_removed_total",
+            "Finished jobs the retention sweep removed with their artifacts, by reason: age (older than "
+            "FXPORT_JOB_RETENTION_S) or count (past FXPORT_MAX_FINISHED_JOBS_PER_TENANT).",
+            ["reason"],
             registry=registry,
         ),
         upload_bytes_total=Counter(

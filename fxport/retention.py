@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fxport.jobs import JobStore, job_id_time
+from fxport.metrics import METRICS
 from fxport.periodic import PeriodicTask
 from fxport.storage import ArtifactStore, StorageError
 
@@ -99,14 +100,22 @@ def sweep_finished(jobs: JobStore, artifacts: ArtifactStore, policy: RetentionPo
         _delete_queued(jobs, artifacts, result)
     finally:
         jobs.release_lease(SWEEPER_LEASE, owner)
-    if result.removed or result.failed_prefixes:
-        log.info("retention: removed %d finished jobs by age and %d by count; deleted %d artifact prefixes "
-                 "(%d left for the next round)", len(result.removed_age), len(result.removed_count),
-                 len(result.deleted_prefixes), len(result.failed_prefixes))
+    if result.failed_prefixes:
+        log.warning("retention: %d artifact prefixes could not be deleted; the next round tries again",
+                    len(result.failed_prefixes))
     return result
 
 
 def _sweep_tenant(jobs: JobStore, tenant: str, policy: RetentionPolicy, now: float, result: RetentionResult) -> None:
+    before = len(result.removed_age), len(result.removed_count)
+    _walk_tenant(jobs, tenant, policy, now, result)
+    by_age, by_count = len(result.removed_age) - before[0], len(result.removed_count) - before[1]
+    if by_age or by_count:
+        log.info("retention: removed %d finished jobs of tenant %s (%d by age, %d past its count)",
+                 by_age + by_count, tenant, by_age, by_count, extra={"tenant": tenant})
+
+
+def _walk_tenant(jobs: JobStore, tenant: str, policy: RetentionPolicy, now: float, result: RetentionResult) -> None:
     excess = jobs.count_jobs(tenant) - policy.keep_per_tenant if policy.keep_per_tenant else 0
     cutoff = now - policy.retention_s if policy.retention_s else None
     after: str | None = None
@@ -119,8 +128,9 @@ def _sweep_tenant(jobs: JobStore, tenant: str, policy: RetentionPolicy, now: flo
             if excess <= 0 and young:
                 return  # this job and every later one are kept
             rec = jobs.get(job_id)
-            if rec is None:  # removed meanwhile (an index entry left behind is dropped by remove)
-                jobs.remove(job_id)
+            if rec is None:  # an index entry left without its record: dropped, and not counted
+                jobs.remove(job_id, tenant)
+                excess -= 1
                 continue
             if not rec.terminal:
                 continue
@@ -129,6 +139,7 @@ def _sweep_tenant(jobs: JobStore, tenant: str, policy: RetentionPolicy, now: flo
                 continue
             if jobs.remove(job_id):
                 (result.removed_age if by_age else result.removed_count).append(job_id)
+                METRICS.jobs_removed_total.labels("age" if by_age else "count").inc()
                 excess -= 1
         if len(ids) < PAGE:
             return

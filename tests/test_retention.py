@@ -206,3 +206,21 @@ def test_policy_names_its_settings():
         "finished jobs are kept 30 days after they end (FXPORT_JOB_RETENTION_S) and at most the newest 10000 per "
         "tenant (FXPORT_MAX_FINISHED_JOBS_PER_TENANT)")
     assert RetentionPolicy(0, 0).describe() == "finished jobs are kept for good"
+
+
+def test_an_index_entry_left_without_its_record_is_dropped_and_not_counted(redis_server, tmp_path):
+    """Redis only: SQLite's index is its jobs table, so no entry there outlives its record."""
+    jobs = RedisJobStore(redis_server.url.rsplit("/", 1)[0] + f"/{REDIS_DB}")
+    jobs.r.flushdb()
+    b = Backends(jobs, FileStore(tmp_path / "store"), tmp_path)
+    try:
+        ghost = new_job_id(T0 - 1)
+        jobs.r.zadd(jobs._tenant_jobs("alice"), {ghost: 0})
+        kept = [b.finished("alice", T0 + i, names=()) for i in range(2)]
+
+        result = sweep_finished(jobs, b.artifacts, RetentionPolicy(0, keep_per_tenant=2), now=T0 + 10)
+
+        assert result.removed == [] and jobs.count_jobs("alice") == 2
+        assert [r.id for r in jobs.list("alice")[0]] == [r.id for r in reversed(kept)]
+    finally:
+        jobs.close()

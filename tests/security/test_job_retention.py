@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from fxport.client import Client
 from fxport.client.errors import JobNotFound
@@ -67,8 +68,13 @@ def server(redis_server, tmp_path) -> Iterator[RetentionServer]:
         jobs.close()
 
 
+def _removed(reason: str) -> float:
+    return REGISTRY.get_sample_value("fxport_jobs_removed_total", {"reason": reason}) or 0.0
+
+
 def test_a_submit_and_cancel_loop_cannot_grow_the_job_store_past_the_tenants_limit(server):
     assert len(json.dumps(SPEC)) > 8000
+    removed_before = _removed("count")
     with server.client("alice") as alice, server.client("bob") as bob:
         bobs = [bob.submit(server.model, SPEC) for _ in range(2)]
         bob.cancel(bobs[0].id)
@@ -82,6 +88,9 @@ def test_a_submit_and_cancel_loop_cannot_grow_the_job_store_past_the_tenants_lim
         # the submit that passed the limit woke the sweep: alice is back at her limit
         wait_until(lambda: server.jobs.count_jobs("alice") <= KEEP, scaled(30),
                    "alice's job records back at FXPORT_MAX_FINISHED_JOBS_PER_TENANT")
+        # counted as the sweep goes (the count can drop a moment before the counter rises)
+        wait_until(lambda: _removed("count") - removed_before >= LOOPS + 1 - KEEP, scaled(10), "the removals counted")
+        assert _removed("count") - removed_before == LOOPS + 1 - KEEP
         kept = [j.id for j in alice.list().jobs]
         assert kept == [*reversed(cancelled[-(KEEP - 1):]), in_flight.id], kept
         with pytest.raises(JobNotFound) as info:
