@@ -25,7 +25,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fxport.client import DEFAULT_SERVER, Client, Job
+from fxport.client import DEFAULT_SERVER, Client, Job, JobPage
 from fxport.client.errors import error_doc, job_exit_code, print_error
 from fxport.client.progress import StageProgress
 from fxport.client.spec_options import NO_FLAGS, SpecFlags, parse_labels, with_spec_flags
@@ -198,7 +198,7 @@ def submit(
 def jobs_list(
     state: list[str] | None = typer.Option(None, "--state", help="QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED."),
     label: list[str] | None = typer.Option(None, "--label", help="KEY=VALUE; all must match."),
-    limit: int = typer.Option(50, "--limit", help="Page size."),
+    limit: int = typer.Option(50, "--limit", help="Jobs to show (a page)."),
     page_token: str = typer.Option("", "--page-token", help="next_page_token of the previous page."),
     server: str = SERVER,
     token: str | None = TOKEN,
@@ -208,7 +208,13 @@ def jobs_list(
 
     def body() -> int:
         with Client(server, token=token) as client:
+            # A filtered call may come back short, with a token, having examined its share of the
+            # tenant's jobs: the next ones are asked for until the page is full or none are left.
             page = client.list(states=state, labels=parse_labels(label), page_size=limit, page_token=page_token)
+            while page.next_page_token and len(page.jobs) < limit:
+                more = client.list(states=state, labels=parse_labels(label), page_size=limit - len(page.jobs),
+                                   page_token=page.next_page_token)
+                page = JobPage(page.jobs + more.jobs, more.next_page_token)
         if as_json:
             _emit_json({"jobs": [j.to_dict() for j in page.jobs], "next_page_token": page.next_page_token})
             return EXIT_OK

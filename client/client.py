@@ -672,7 +672,10 @@ class Client:
 
     def list(self, *, states: list[str] | None = None, labels: Mapping[str, str] | None = None,
              page_size: int = 50, page_token: str = "") -> JobPage:
-        """One page, newest first. `states` like ["RUNNING", "QUEUED"]; labels must all match."""
+        """One page, newest first. `states` like ["RUNNING", "QUEUED"]; labels must all match.
+        A page may hold fewer than `page_size` jobs, even none, and still carry a
+        `next_page_token`: the server examines a bounded number of jobs per call. `iter_jobs`
+        follows the tokens."""
         try:
             enum_states = [pb.JobState.Value("JOB_STATE_" + s.upper().removeprefix("JOB_STATE_")) for s in states or ()]
         except ValueError:

@@ -65,6 +65,11 @@ class Settings(BaseSettings):
         "reflection, which need no token, share one such count); past it RESOURCE_EXHAUSTED, and the fxport client "
         "retries, following a job by polling meanwhile. The default lets one tenant's 32 CI pipelines each watch "
         "a job, and leaves 16 of the default 48 stream slots to the other tenants.")
+    max_calls_per_tenant: int | None = Field(
+        None, ge=1, description="Calls that answer at once (GetJob, ListJobs, CancelJob, CheckUpload, GetArtifactUrl) "
+        "one tenant may have in progress on an API process at once (unset: an eighth of grpc_max_workers, at least "
+        "2: 8 by default); past it RESOURCE_EXHAUSTED, which the fxport client retries. Health and reflection are "
+        "not counted.")
     log_level: str = Field("INFO", description="Log level of the server and workers.")
     log_format: str = Field("json", description="json (one object per line, with job_id) or text.")
     work_dir: Path | None = Field(None, description="Scratch space for worker jobs (default: system temp).")
@@ -173,6 +178,20 @@ class Settings(BaseSettings):
                              f"({self.max_spool_bytes}), the most one tenant may spool: an upload that size could "
                              "never be taken; raise FXPORT_MAX_SPOOL_BYTES (and the spool volume) with it")
         return self
+
+    @model_validator(mode="after")
+    def _one_tenants_calls_leave_threads_to_others(self) -> Settings:
+        if self.max_calls_per_tenant is not None and self.max_calls_per_tenant > self.grpc_max_workers // 2:
+            raise ValueError(f"max_calls_per_tenant ({self.max_calls_per_tenant}) is more than half of "
+                             f"grpc_max_workers ({self.grpc_max_workers}): one tenant's calls could take the threads "
+                             "every other tenant's calls and the health checks need; lower FXPORT_MAX_CALLS_PER_TENANT "
+                             "or raise FXPORT_GRPC_MAX_WORKERS")
+        return self
+
+    @property
+    def calls_per_tenant(self) -> int:
+        """max_calls_per_tenant, or an eighth of the RPC threads (at least 2) when unset."""
+        return self.max_calls_per_tenant or max(2, self.grpc_max_workers // 8)
 
     @property
     def stream_slots(self) -> int:

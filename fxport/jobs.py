@@ -306,6 +306,11 @@ class JobStore(ABC):
     `get` (a record carries its tenant); `list` and idempotency keys are per tenant."""
 
     MAX_PAGE = 500
+    # Records one `list` call examines at most. A filter that matches few of a tenant's jobs
+    # otherwise read all of them in one call (10,000 records: 1 s), and a tenant sending such
+    # calls side by side held every RPC thread of the API, health checks' included. Past it the
+    # call returns the page so far (even an empty one) with a token to go on from.
+    LIST_SCAN_LIMIT = 2_000
 
     @abstractmethod
     def create(self, record: JobRecord) -> tuple[JobRecord, bool]:
@@ -331,6 +336,13 @@ class JobStore(ABC):
     @abstractmethod
     def _ids_desc(self, tenant: str, before: str | None, limit: int) -> list[str]:
         """Job ids of `tenant`, newest first, strictly below `before`."""
+
+    def _get_many(self, ids: list[str], might_match: Callable[[str], bool]) -> list[JobRecord | None]:
+        """The records of `ids` (None where gone, or where `might_match`, given the record's
+        JSON, says it cannot match a filter, so it is never parsed). Backends read them in one
+        round trip."""
+        return [rec if rec is not None and might_match(rec.model_dump_json()) else None
+                for rec in (self.get(job_id) for job_id in ids)]
 
     @abstractmethod
     def ids_in_states(self, states: Iterable[JobState]) -> list[str]:
@@ -423,30 +435,45 @@ class JobStore(ABC):
         page_size: int = 50,
         page_token: str | None = None,
     ) -> tuple[list[JobRecord], str | None]:
-        """Newest first. Returns (page, next_page_token or None)."""
+        """Newest first. Returns (page, next_page_token or None). A page may hold fewer than
+        `page_size` jobs, even none, and still have a token: the call examined LIST_SCAN_LIMIT
+        records and left the rest to the next call."""
         page_size = max(1, min(int(page_size or 50), self.MAX_PAGE))
         want_states = set(states or ())
         want_labels = dict(labels or {})
+        might_match = _filter_precheck(want_states, want_labels)
         before = decode_page_token(page_token)
         out: list[JobRecord] = []
         batch = max(2 * page_size, 100)
+        examined = 0
         while True:
-            ids = self._ids_desc(tenant, before, batch)
-            for job_id in ids:
+            asked = min(batch, self.LIST_SCAN_LIMIT - examined)
+            ids = self._ids_desc(tenant, before, asked)
+            for job_id, rec in zip(ids, self._get_many(ids, might_match), strict=True):
                 before = job_id
-                rec = self.get(job_id)
-                if rec is None:
-                    continue
-                if want_states and rec.state not in want_states:
-                    continue
-                if any(rec.labels.get(k) != v for k, v in want_labels.items()):
-                    continue
-                out.append(rec)
-                if len(out) == page_size:
+                examined += 1
+                if rec is not None and (not want_states or rec.state in want_states) \
+                        and all(rec.labels.get(k) == v for k, v in want_labels.items()):
+                    out.append(rec)
+                if len(out) == page_size or examined >= self.LIST_SCAN_LIMIT:
                     more = bool(self._ids_desc(tenant, job_id, 1))
                     return out, (_encode_token(job_id) if more else None)
-            if len(ids) < batch:
+            if len(ids) < asked:
                 return out, None
+
+
+def _filter_precheck(states: set[JobState], labels: dict[str, str]) -> Callable[[str], bool]:
+    """A test on a record's JSON that every record matching the filter passes (most others fail
+    it): each wanted label as the record's own serializer writes it, and one of the states."""
+    import pydantic_core
+
+    needles = [pydantic_core.to_json({k: v}).decode()[1:-1] for k, v in labels.items()]
+    state_needles = [f'"state":"{s.value}"' for s in states]
+
+    def might_match(raw: str) -> bool:
+        return all(n in raw for n in needles) and (not state_needles or any(n in raw for n in state_needles))
+
+    return might_match
 
 
 def _shared_source(rec: JobRecord) -> tuple[str, str] | None:
@@ -630,6 +657,13 @@ class RedisJobStore(JobStore):
     def get(self, job_id: str) -> JobRecord | None:
         raw = self.r.hget(self._job(job_id), "record")
         return JobRecord.model_validate_json(raw) if raw else None
+
+    def _get_many(self, ids: list[str], might_match: Callable[[str], bool]) -> list[JobRecord | None]:
+        with self.r.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(self._job(job_id), "record")
+            raws = pipe.execute()
+        return [JobRecord.model_validate_json(raw) if raw and might_match(raw) else None for raw in raws]
 
     def find_idempotent(self, tenant: str, key: str) -> JobRecord | None:
         job_id = self.r.get(self._idem(tenant, key))
@@ -864,6 +898,13 @@ class SqliteJobStore(JobStore):
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
             return self._get(job_id)
+
+    def _get_many(self, ids: list[str], might_match: Callable[[str], bool]) -> list[JobRecord | None]:
+        with self._lock:
+            rows = dict(self._db.execute(f"SELECT id, record FROM jobs WHERE id IN ({','.join('?' * len(ids))})",
+                                         ids).fetchall()) if ids else {}
+        raws = [rows.get(job_id) for job_id in ids]
+        return [JobRecord.model_validate_json(raw) if raw and might_match(raw) else None for raw in raws]
 
     def find_idempotent(self, tenant: str, key: str) -> JobRecord | None:
         with self._lock:

@@ -233,7 +233,8 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
         busy_refusals_total=Counter(
             "fxport_busy_refusals_total",
             "Calls the API refused, to be retried, because a capacity every tenant shares was taken: resource="
-            "streams (open streaming calls, each holding an RPC thread) or spool (upload bytes being spooled); "
+            "streams (open streaming calls, each holding an RPC thread), calls (other calls in progress) or spool "
+            "(upload bytes being spooled); "
             "limit=tenant (the caller's share) or server (all of it).",
             ["resource", "limit"],
             registry=registry,

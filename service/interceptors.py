@@ -16,6 +16,7 @@ from fxport.service.limits import (
     BUSY_RETRY_METADATA,
     STREAM_ADMITTED_METADATA,
     UNAUTHENTICATED,
+    CallSlots,
     StreamSlots,
 )
 from fxport.service.tenancy import current_tenant
@@ -148,36 +149,31 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         return wrap_handler(handler, unary_response, stream_response)
 
 
-class StreamSlotsInterceptor(grpc.ServerInterceptor):
-    """Every streaming call holds a `StreamSlots` slot from its start to its end; one past the
-    limits ends at once with RESOURCE_EXHAUSTED, the limit and the setting named, and the
-    trailing metadata `fxport-retry: busy`, on which the fxport client retries (and follows
-    a job by polling GetJob meanwhile). An admitted stream sends its headers at once, with
+class CallSlotsInterceptor(grpc.ServerInterceptor):
+    """Every streaming call holds a `StreamSlots` slot from its start to its end, and every other
+    call of fxport's own service a `CallSlots` slot; one past the limits ends at once with
+    RESOURCE_EXHAUSTED, the limit and the setting named, and the trailing metadata
+    `fxport-retry: busy`, on which the fxport client retries (and follows a job by polling
+    GetJob meanwhile). An admitted stream sends its headers at once, with
     `fxport-stream: admitted`, so a client knows it holds a slot. Calls to `own_service` count
     against their tenant, so this goes inside the auth interceptor, which sets it; health and
-    reflection, which need no token, share one count."""
+    reflection streams, which need no token, share one count, and their other calls hold none."""
 
-    def __init__(self, slots: StreamSlots, own_service: str) -> None:
-        self.slots, self.prefix = slots, f"/{own_service}/"
+    def __init__(self, streams: StreamSlots, calls: CallSlots, own_service: str) -> None:
+        self.streams, self.calls, self.prefix = streams, calls, f"/{own_service}/"
 
     def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
-        if handler is None or not (handler.request_streaming or handler.response_streaming):
-            return handler
+        if handler is None:
+            return None
         tenant_bound = details.method.startswith(self.prefix)
-        slots = self.slots
+        if not (handler.request_streaming or handler.response_streaming):
+            return self._unary(handler, details) if tenant_bound else handler
+        slots = self.streams
 
         def take(context: grpc.ServicerContext) -> str:
             caller = current_tenant() if tenant_bound else UNAUTHENTICATED
-            refused = slots.take(caller)
-            if refused is not None:
-                from fxport.metrics import METRICS
-
-                limit, why = refused
-                METRICS.busy_refusals_total.labels("streams", limit).inc()
-                log.warning("streaming call refused: %s", why, extra={"rpc": details.method})
-                context.set_trailing_metadata((BUSY_RETRY_METADATA,))
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+            _admit_or_abort(slots.take(caller), "streams", context, details.method)
             context.send_initial_metadata((STREAM_ADMITTED_METADATA,))
             return caller
 
@@ -200,3 +196,41 @@ class StreamSlotsInterceptor(grpc.ServerInterceptor):
             return wrapper
 
         return wrap_handler(handler, unary_response, stream_response)
+
+    def _unary(self, handler: Any, details: grpc.HandlerCallDetails) -> Any:
+        calls = self.calls
+
+        def unary_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(request: Any, context: grpc.ServicerContext) -> Any:
+                tenant = current_tenant()
+                _admit_or_abort(calls.take(tenant), "calls", context, details.method)
+                try:
+                    return behavior(request, context)
+                finally:
+                    calls.release(tenant)
+            return wrapper
+
+        return wrap_handler(handler, unary_response, unary_response)
+
+
+_REFUSAL_LOG_EVERY_S = 10.0
+_refusal_logged: dict[str, float] = {}  # resource -> when a refusal of it was last logged
+
+
+def _admit_or_abort(refused: tuple[str, str] | None, resource: str, context: grpc.ServicerContext,
+                    method: str) -> None:
+    """Nothing when admitted; otherwise the call ends, busy, naming the limit. Every refusal is
+    counted; one per resource and 10 s is logged, so a flood of refused calls is no flood of logs."""
+    if refused is None:
+        return
+    from fxport.metrics import METRICS
+
+    limit, why = refused
+    METRICS.busy_refusals_total.labels(resource, limit).inc()
+    now = time.monotonic()
+    if now - _refusal_logged.get(resource, -_REFUSAL_LOG_EVERY_S) >= _REFUSAL_LOG_EVERY_S:
+        _refusal_logged[resource] = now
+        log.warning("call refused (%s; the next for %.0f s are counted in fxport_busy_refusals_total, not logged): "
+                    "%s", resource, _REFUSAL_LOG_EVERY_S, why, extra={"rpc": method})
+    context.set_trailing_metadata((BUSY_RETRY_METADATA,))
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)

@@ -1,7 +1,7 @@
 """Per-tenant admission: how many jobs one tenant may have QUEUED or RUNNING at once
 (`InFlightLimit`); and the API process's capacity every tenant shares, which no one tenant may
-take: its RPC threads, held by streaming calls (`StreamSlots`), and its upload spool
-(`SpoolBudget`).
+take: its RPC threads, held by streaming calls (`StreamSlots`) and by the calls that answer at
+once (`CallSlots`), and its upload spool (`SpoolBudget`).
 
 The job store keeps an index of each tenant's in-flight jobs beside the records, so the check
 costs one read whatever the length of the tenant's history (reading the newest 1000 jobs'
@@ -65,7 +65,7 @@ UNAUTHENTICATED = "(no tenant: health and reflection)"
 
 
 class _SharedCounts:
-    """An amount held per caller, and their total, under one lock (StreamSlots, SpoolBudget)."""
+    """An amount held per caller, and their total, under one lock (StreamSlots, CallSlots, SpoolBudget)."""
 
     def __init__(self) -> None:
         self._held: dict[str, int] = {}
@@ -123,6 +123,34 @@ class StreamSlots(_SharedCounts):
                                   f"{self.threads - self.total} kept for short calls and health checks): retry "
                                   "later, or run more API replicas")
             self._add(caller, 1)
+            return None
+
+
+class CallSlots(_SharedCounts):
+    """How many of its calls that answer once (GetJob, ListJobs, CancelJob, CheckUpload,
+    GetArtifactUrl) one tenant may have in progress on an API process at once.
+
+    The server's threads take calls in the order they arrive. Without it one tenant sending
+    calls side by side, more than there are threads (each a filtered ListJobs reading its
+    share of the tenant's jobs), kept every thread busy with its own and queued every other
+    tenant's calls, and the liveness probe's health check, behind them. A call past the limit
+    ends at once (RESOURCE_EXHAUSTED, `fxport-retry: busy`, which the fxport client retries),
+    so the tenant's excess leaves the queue in microseconds each. Health and reflection are
+    not counted: a probe is never refused. Counts are per API process, as its threads are."""
+
+    def __init__(self, per_tenant: int) -> None:
+        super().__init__()
+        self.per_tenant = per_tenant
+
+    def take(self, tenant: str) -> tuple[str, str] | None:
+        """Take a slot for `tenant`: None, or (which limit, why) when it holds all of its own."""
+        with self._lock:
+            mine = self._held.get(tenant, 0)
+            if mine >= self.per_tenant:
+                return "tenant", (f"tenant {tenant!r} already has {mine} calls in progress on this API server; the "
+                                  f"limit is {self.per_tenant} per tenant (FXPORT_MAX_CALLS_PER_TENANT): retry later; "
+                                  "the fxport client retries")
+            self._add(tenant, 1)
             return None
 
 

@@ -26,8 +26,8 @@ from fxport.config import Settings
 from fxport.jobs import JobStore, SweepResult, open_job_store, sweep_orphans
 from fxport.periodic import PeriodicTask
 from fxport.service.auth import build_auth, server_credentials
-from fxport.service.interceptors import LoggingInterceptor, MetricsInterceptor, StreamSlotsInterceptor
-from fxport.service.limits import SpoolBudget, StreamSlots
+from fxport.service.interceptors import CallSlotsInterceptor, LoggingInterceptor, MetricsInterceptor
+from fxport.service.limits import CallSlots, SpoolBudget, StreamSlots
 from fxport.service.servicer import ConversionServicer
 from fxport.service.tenancy import current_tenant
 from fxport.service.unavailable import BackendUnavailableInterceptor
@@ -114,7 +114,8 @@ class FxportServer:
     def __init__(self, server: grpc.Server, port: int, settings: Settings, health_servicer: Any,
                  on_start: Sequence[Callable[[], Any]], on_stop: Sequence[Callable[[], Any]],
                  before_stop: Sequence[Callable[[], Any]] = (), metrics_servers: Sequence[Any] = (),
-                 stream_slots: StreamSlots | None = None, spool: SpoolBudget | None = None) -> None:
+                 stream_slots: StreamSlots | None = None, spool: SpoolBudget | None = None,
+                 call_slots: CallSlots | None = None) -> None:
         self.grpc_server = server
         self.port = port
         self.settings = settings
@@ -123,6 +124,7 @@ class FxportServer:
         self._on_start, self._on_stop, self._before_stop = list(on_start), list(on_stop), list(before_stop)
         self._metrics_servers = metrics_servers  # filled at start when FXPORT_METRICS_PORT is set
         self.stream_slots = stream_slots  # the streaming calls open now
+        self.call_slots = call_slots  # the other calls in progress now
         self.spool = spool  # the upload bytes spooled now
 
     @property
@@ -262,14 +264,16 @@ def create_server(
     on_stop.append(jobs.close)
 
     # Metrics outermost: refused calls count too (Unauthenticated). Then auth: a refused call
-    # never reaches the servicer (it logs its own line). Then the stream slots, which need the
-    # tenant auth found. Innermost: a backend outage leaves as UNAVAILABLE, which the logging and
+    # never reaches the servicer (it logs its own line). Then the stream and call slots, which need
+    # the tenant auth found. Innermost: a backend outage leaves as UNAVAILABLE, which the logging and
     # metrics interceptors record.
     rpc_metrics = [MetricsInterceptor(served_services())] if settings.metrics_port is not None else []
     stream_slots = StreamSlots(settings.max_streams_per_tenant, settings.stream_slots, settings.grpc_max_workers)
+    call_slots = CallSlots(settings.calls_per_tenant)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=settings.grpc_max_workers, thread_name_prefix="fxport-rpc"),
-        interceptors=[*rpc_metrics, *([auth] if auth else []), StreamSlotsInterceptor(stream_slots, SERVICE_NAME),
+        interceptors=[*rpc_metrics, *([auth] if auth else []),
+                      CallSlotsInterceptor(stream_slots, call_slots, SERVICE_NAME),
                       *interceptors, LoggingInterceptor(), BackendUnavailableInterceptor()],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
                  ("grpc.so_reuseport", 0)],
@@ -292,4 +296,4 @@ def create_server(
     if port == 0:
         raise OSError(f"cannot listen on {settings.listen}")
     return FxportServer(server, port, settings, health_servicer, on_start, on_stop, before_stop, metrics_servers,
-                        stream_slots, servicer.spool), port
+                        stream_slots, servicer.spool, call_slots), port

@@ -114,6 +114,30 @@ def test_list_pages_newest_first_with_filters(jobs):
         jobs.list("default", page_token="not-a-token")
 
 
+def test_a_filtered_list_examines_a_bounded_share_per_call_and_pages_on(jobs, monkeypatch):
+    """A filter few jobs match returns a short page (even an empty one) with a token once the call
+    examined LIST_SCAN_LIMIT records, instead of reading the tenant's whole history in one call.
+    The records it skips unparsed are only those that cannot match: labels the serializer escapes
+    still match."""
+    monkeypatch.setattr(type(jobs), "LIST_SCAN_LIMIT", 30)
+    odd = {"run": 'vé "quoted" <\\ / 7>'}
+    now = time.time()
+    match, _ = jobs.create(record(labels=odd).model_copy(update={"id": new_job_id(now - 100)}))
+    jobs.transition(match.id, state=JobState.FAILED)
+    for i in range(40):
+        jobs.create(record(labels={"run": str(i)}).model_copy(update={"id": new_job_id(now - 50 + i)}))
+
+    page, token = jobs.list("default", labels=odd)
+    assert page == [] and token  # 30 of the 41 examined, none of them a match
+    page, token = jobs.list("default", labels=odd, page_token=token)
+    assert [r.id for r in page] == [match.id] and token is None
+    page, token = jobs.list("default", states=[JobState.FAILED])
+    page += jobs.list("default", states=[JobState.FAILED], page_token=token)[0]
+    assert [r.id for r in page] == [match.id]
+    # an unfiltered page fills from the newest as before
+    assert len(jobs.list("default", page_size=25)[0]) == 25
+
+
 def test_ids_in_states_for_recovery(jobs):
     a, _ = jobs.create(record())
     b, _ = jobs.create(record())

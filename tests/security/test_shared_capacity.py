@@ -34,13 +34,13 @@ from prometheus_client import REGISTRY
 from fxport.client import Client, ServerBusy
 from fxport.config import Settings
 from fxport.service.auth import new_token, token_entry
-from fxport.service.limits import SpoolBudget, StreamSlots
+from fxport.service.limits import CallSlots, SpoolBudget, StreamSlots
 from fxport.service.server import create_server
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
-from tests.fixtures.servers import scaled
+from tests.fixtures.servers import scaled, wait_until
 
-THREADS, PER_TENANT = 8, 3
+THREADS, PER_TENANT, CALLS_PER_TENANT = 8, 3, 2
 SLOTS = THREADS - 2  # a quarter of the threads, at least 2, are kept for short calls and health checks
 MIB = 1 << 20
 MAX_UPLOAD, SPOOL = MIB, 2 * MIB  # a tenant may spool half: one maximal upload
@@ -56,6 +56,7 @@ class SlotsServer:
     channel: grpc.Channel
     slots: StreamSlots
     spool: SpoolBudget
+    calls: CallSlots
     streams: list[Any] = field(default_factory=list)
     stop_uploads: threading.Event = field(default_factory=threading.Event)
 
@@ -158,6 +159,7 @@ def slots_server(redis_server, tmp_path_factory) -> Iterator[SlotsServer]:
     broker = redis_server.url.rsplit("/", 1)[0] + "/11"  # no worker listens here: jobs stay QUEUED
     settings = Settings(home=tmp / "home", listen="127.0.0.1:0", broker_url=broker, store=f"file://{tmp / 'store'}",
                         tokens_file=tmp / "tokens", grpc_max_workers=THREADS, max_streams_per_tenant=PER_TENANT,
+                        max_calls_per_tenant=CALLS_PER_TENANT,
                         max_upload_bytes=MAX_UPLOAD, max_spool_bytes=SPOOL, log_format="text")
     assert settings.stream_slots == SLOTS
     srv, port = create_server(settings)
@@ -165,8 +167,8 @@ def slots_server(redis_server, tmp_path_factory) -> Iterator[SlotsServer]:
     model = tmp / "model.pt2"
     model.write_bytes(b"bytes the worker would look at; no worker listens here")
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        assert srv.stream_slots is not None and srv.spool is not None
-        server = SlotsServer(f"127.0.0.1:{port}", tokens, model, channel, srv.stream_slots, srv.spool)
+        assert srv.stream_slots is not None and srv.spool is not None and srv.call_slots is not None
+        server = SlotsServer(f"127.0.0.1:{port}", tokens, model, channel, srv.stream_slots, srv.spool, srv.call_slots)
         try:
             yield server
         finally:
@@ -307,6 +309,75 @@ def test_a_submit_refused_for_want_of_a_slot_is_retried_then_named(server):
 def _file(path: Path, size: int) -> Path:
     path.write_bytes(os.urandom(size))
     return path
+
+
+def test_a_tenant_at_its_call_limit_is_refused_busy_and_others_are_served(server):
+    """Calls that answer at once hold a thread while they run, and the server takes calls in the
+    order they arrive: a tenant with CALLS_PER_TENANT of them in progress (held here, as slow
+    calls would) is refused its next one at once, while other tenants and health are served; the
+    fxport client retries until one of its calls ends."""
+    alice_job, bob_job = _queued_job(server, "alice"), _queued_job(server, "bob")
+    for _ in range(CALLS_PER_TENANT):
+        assert server.calls.take("alice") is None
+    released = 0
+    try:
+        before = _refusals("calls")
+        with pytest.raises(grpc.RpcError) as info:
+            server.stub.GetJob(pb.GetJobRequest(job_id=alice_job), metadata=server.metadata("alice"),
+                               timeout=scaled(10))
+        err = info.value
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        assert ("fxport-retry", "busy") in tuple(err.trailing_metadata() or ())
+        assert (f"tenant 'alice' already has {CALLS_PER_TENANT} calls in progress" in err.details()
+                and "(FXPORT_MAX_CALLS_PER_TENANT)" in err.details()), err.details()
+        assert _refusals("calls") == before + 1
+        _served(server, "bob", bob_job)
+        # the client retries a busy refusal: alice's call goes through once one of hers ends
+        timer = threading.Timer(0.5, server.calls.release, ("alice",))
+        timer.start()
+        with Client(server.address, token=server.tokens["alice"]) as alice:
+            assert alice.get(alice_job).id == alice_job
+        timer.join()
+        released = 1
+    finally:
+        for _ in range(CALLS_PER_TENANT - released):
+            server.calls.release("alice")
+
+
+def test_a_flood_of_one_tenants_calls_leaves_health_and_other_tenants_served(server):
+    """Many more filtered ListJobs at once than the server has threads, in a loop, from one tenant:
+    it never has more than its share in progress, the rest are refused busy, and health and
+    another tenant are answered meanwhile."""
+    bob_job = _queued_job(server, "bob")
+    stop, outcomes, most = threading.Event(), {"ok": 0, "busy": 0}, [0]
+    lock = threading.Lock()
+
+    def flood() -> None:
+        stub = pb_grpc.ConversionServiceStub(server.channel)
+        while not stop.is_set():
+            try:
+                stub.ListJobs(pb.ListJobsRequest(labels={"nope": "x"}), metadata=server.metadata("alice"),
+                              timeout=scaled(30))
+                kind = "ok"
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                kind = "busy"
+            with lock:
+                outcomes[kind] += 1
+                most[0] = max(most[0], server.calls.held("alice"))
+
+    threads = [threading.Thread(target=flood, daemon=True) for _ in range(8 * THREADS)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: outcomes["busy"] >= 8 * THREADS, scaled(30), "alice's flood refused in part")
+        for _ in range(3):
+            _served(server, "bob", bob_job)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(scaled(30))
+    assert outcomes["ok"] > 0 and most[0] <= CALLS_PER_TENANT, (outcomes, most)
 
 
 def test_one_tenant_cannot_fill_the_upload_spool(server, tmp_path):

@@ -143,3 +143,40 @@ def test_health_and_reflection(server):
 
 def test_server_binds_loopback_by_default():
     assert Settings().listen.startswith("127.0.0.1:")
+
+
+def test_a_filtered_listing_pages_past_the_share_one_call_examines(server, monkeypatch):
+    """ListJobs examines a bounded number of the tenant's jobs per call (JobStore.LIST_SCAN_LIMIT):
+    a filter that matches only an old job comes back short, with a token, and `fxport jobs list`
+    follows the tokens until its page is full or none are left."""
+    import json as _json
+    import time as _time
+
+    from typer.testing import CliRunner
+
+    from fxport.client.cli import app
+    from fxport.jobs import InputRef, JobRecord, JobState, SqliteJobStore
+
+    srv, port = server
+    monkeypatch.setattr(SqliteJobStore, "LIST_SCAN_LIMIT", 5)
+    store = SqliteJobStore(srv.settings.home / "jobs.db")  # the server's own job store (WAL: shared)
+    marker = f"old-{new_job_id()}"
+    now = _time.time()
+    try:
+        def made(i: float, labels: dict[str, str]) -> str:
+            rec = JobRecord(id=new_job_id(now - 100 + i), tenant="default", state=JobState.CANCELLED, labels=labels,
+                            model=InputRef(sha256="0" * 64, bytes=1, key="k"))
+            return store.create(rec)[0].id
+        wanted = made(0, {"marker": marker})
+        for i in range(12):
+            made(1 + i, {"marker": "other"})
+    finally:
+        store.close()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        first = pb_grpc.ConversionServiceStub(ch).ListJobs(pb.ListJobsRequest(labels={"marker": marker}), timeout=10)
+    assert not first.jobs and first.next_page_token  # 5 examined, no match yet
+    res = CliRunner().invoke(app, ["jobs", "list", "--label", f"marker={marker}", "--server", f"127.0.0.1:{port}",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    listed = _json.loads(res.stdout)
+    assert [j["id"] for j in listed["jobs"]] == [wanted] and listed["next_page_token"] == ""
