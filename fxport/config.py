@@ -150,7 +150,7 @@ class Settings(BaseSettings):
         3600.0, ge=0, description="How often the API server applies cache_max_age_s and cache_max_bytes; 0 = never "
         "(call fxport.cache.ResultCache.sweep yourself).")
 
-    # Retention (fxport/retention.py, deploy/README.md "Retention").
+    # Retention (fxport/retention.py, deploy/README.md "Job retention").
     job_retention_s: float = Field(
         30 * 24 * 3600.0, ge=0, description="A finished job (its record, events and artifacts) is removed this long "
         "after it ends; 0 = no age limit. Artifacts a cache hit shares stay while that job does.")

@@ -3,8 +3,9 @@
 Without it every job record stayed in the job store for good. On the distributed stack that
 store is Redis, which holds everything in memory: normal use grows it without end, and one
 tenant submitting and cancelling in a loop fills it, which stops every tenant's jobs. (Measured
-on a 2-core VM: one client, 4 threads, 38 submit-and-cancel rounds a second, each leaving 26 KB
-in Redis with the largest labels a spec may carry, about 7 KB without: 1 MB a second.)
+on a 2-core Intel Xeon VM: one client, 4 threads, 38 submit-and-cancel rounds a second, each
+leaving 26 KB in Redis with the largest labels a spec may carry, about 7 KB without: 1 MB a
+second.)
 
 A finished job (SUCCEEDED, FAILED or CANCELLED) is removed when either holds:
 - it finished more than `retention_s` ago (FXPORT_JOB_RETENTION_S; 0 = no age limit);
