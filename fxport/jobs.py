@@ -337,12 +337,15 @@ class JobStore(ABC):
     def _ids_desc(self, tenant: str, before: str | None, limit: int) -> list[str]:
         """Job ids of `tenant`, newest first, strictly below `before`."""
 
+    @abstractmethod
+    def _raw_many(self, ids: list[str]) -> list[str | None]:
+        """The stored JSON of each of `ids` (None where gone), read in one round trip."""
+
     def _get_many(self, ids: list[str], might_match: Callable[[str], bool]) -> list[JobRecord | None]:
         """The records of `ids` (None where gone, or where `might_match`, given the record's
-        JSON, says it cannot match a filter, so it is never parsed). Backends read them in one
-        round trip."""
-        return [rec if rec is not None and might_match(rec.model_dump_json()) else None
-                for rec in (self.get(job_id) for job_id in ids)]
+        JSON, says it cannot match a filter, so it is never parsed)."""
+        return [JobRecord.model_validate_json(raw) if raw and might_match(raw) else None
+                for raw in self._raw_many(ids)]
 
     @abstractmethod
     def ids_in_states(self, states: Iterable[JobState]) -> list[str]:
@@ -658,12 +661,12 @@ class RedisJobStore(JobStore):
         raw = self.r.hget(self._job(job_id), "record")
         return JobRecord.model_validate_json(raw) if raw else None
 
-    def _get_many(self, ids: list[str], might_match: Callable[[str], bool]) -> list[JobRecord | None]:
+    def _raw_many(self, ids: list[str]) -> list[str | None]:
         with self.r.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.hget(self._job(job_id), "record")
-            raws = pipe.execute()
-        return [JobRecord.model_validate_json(raw) if raw and might_match(raw) else None for raw in raws]
+            raws: list[str | None] = pipe.execute()
+        return raws
 
     def find_idempotent(self, tenant: str, key: str) -> JobRecord | None:
         job_id = self.r.get(self._idem(tenant, key))
@@ -899,12 +902,11 @@ class SqliteJobStore(JobStore):
         with self._lock:
             return self._get(job_id)
 
-    def _get_many(self, ids: list[str], might_match: Callable[[str], bool]) -> list[JobRecord | None]:
+    def _raw_many(self, ids: list[str]) -> list[str | None]:
         with self._lock:
             rows = dict(self._db.execute(f"SELECT id, record FROM jobs WHERE id IN ({','.join('?' * len(ids))})",
                                          ids).fetchall()) if ids else {}
-        raws = [rows.get(job_id) for job_id in ids]
-        return [JobRecord.model_validate_json(raw) if raw and might_match(raw) else None for raw in raws]
+        return [rows.get(job_id) for job_id in ids]
 
     def find_idempotent(self, tenant: str, key: str) -> JobRecord | None:
         with self._lock:
