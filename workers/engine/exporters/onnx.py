@@ -56,9 +56,11 @@ class OnnxFromGraphModule:
             self._export_from_trace(path)
             return self._checked(path)
 
+        from fxport.workers.engine.exporters import onnx_ready
         from fxport.workers.engine.warm_caches import cache_onnx_registry
 
         cache_onnx_registry()  # the exporter's op registry, built once per process and opset
+        readied = onnx_ready.install()  # its decomposition, only where the program needs one
         # the exporter logs a warning per missing torchvision op; not the user's concern
         logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
         log = io.StringIO()
@@ -68,33 +70,51 @@ class OnnxFromGraphModule:
                 model = self.program()
             except Exception:
                 model = self.gm
+        if readied is not None:
+            readied.reset()
         try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(log):
-                warnings.simplefilter("ignore")
-                program = torch.onnx.export(
-                    model,
-                    self.example_inputs,
-                    str(path),
-                    dynamo=True,
-                    input_names=self.input_names,
-                    dynamic_shapes=self.dynamic_shapes,
-                    opset_version=self.opset,
-                    external_data=not self.single_file,
-                    optimize=True,
-                    verbose=False,
-                )
+            program = self._export(model, path, log)
         except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConversionFailed(
-                f"ONNX export failed: {type(exc).__name__}: {first}",
-                stage="export",
-                hint="drop 'onnx' from targets to get the other artifacts, or try another opset (spec.onnx.opset)",
-                detail=log.getvalue()[-4000:] or None,
-            ) from exc
+            if readied is None or not readied.handed_over:
+                raise self._failed(exc, log) from exc
+            # the program fxport readied did not translate: the exporter's own decomposition, as before
+            logging.getLogger(__name__).warning("ONNX export: the readied program failed (%s: %s); decomposing it",
+                                                type(exc).__name__, str(exc).strip()[:300])
+            try:
+                with readied.off():
+                    program = self._export(model, path, log)
+            except Exception as again:
+                raise self._failed(again, log) from again
         # the opset the exporter wrote, from its own model: reading it from the file would parse
         # the whole file again (56 ms for a ResNet-18), after the checker's own parse
         written = getattr(getattr(program, "model", None), "opset_imports", {}).get("")
         return self._checked(path, written if isinstance(written, int) else None)
+
+    def _export(self, model: Any, path: Path, log: io.StringIO) -> Any:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(log):
+            warnings.simplefilter("ignore")
+            return torch.onnx.export(
+                model,
+                self.example_inputs,
+                str(path),
+                dynamo=True,
+                input_names=self.input_names,
+                dynamic_shapes=self.dynamic_shapes,
+                opset_version=self.opset,
+                external_data=not self.single_file,
+                optimize=True,
+                verbose=False,
+            )
+
+    @staticmethod
+    def _failed(exc: Exception, log: io.StringIO) -> ConversionFailed:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return ConversionFailed(
+            f"ONNX export failed: {type(exc).__name__}: {first}",
+            stage="export",
+            hint="drop 'onnx' from targets to get the other artifacts, or try another opset (spec.onnx.opset)",
+            detail=log.getvalue()[-4000:] or None,
+        )
 
     def _checked(self, path: Path, written_opset: int | None = None) -> Path:
         return check_onnx(path, self.opset, written_opset)
