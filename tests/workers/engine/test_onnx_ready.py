@@ -221,7 +221,7 @@ def test_an_op_onnx_lacks_or_control_flow_goes_to_the_exporters_decomposition(tm
     assert last.program is None and "batch_norm" in last.declined and diff < 1e-5
 
 
-@pytest.mark.parametrize("name", ["resnet18_small", "transformer_block", "hf_mobilenet_v2"])
+@pytest.mark.parametrize("name", ["resnet18_small", "transformer_block", "hf_mobilenet_v2", "hf_bert"])
 def test_a_conversion_writes_the_same_onnx_either_way_and_verifies_it(tmp_path: Path, name: str) -> None:
     """Through the engine: the fast path's model gives exactly the decomposed one's outputs, every
     artifact passes verification, and the .pt2 sharing the program keeps its in-place ops."""
@@ -246,11 +246,11 @@ def test_a_conversion_writes_the_same_onnx_either_way_and_verifies_it(tmp_path: 
             outs[mode] = out
     finally:
         wrapper.enabled = True
-    x = case.example_inputs(3)[0].numpy()
+    inputs = [t.numpy() for t in case.example_inputs(3)]
     results = []
     for mode in ("ready", "decomposed"):
         session = ort.InferenceSession(str(outs[mode] / "model.onnx"), providers=["CPUExecutionProvider"])
-        results.append(session.run(None, {session.get_inputs()[0].name: x}))
+        results.append(session.run(None, {i.name: x for i, x in zip(session.get_inputs(), inputs)}))
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
     # the .pt2, written after the ONNX model from the same program (the spec's order), as it was
@@ -287,3 +287,21 @@ def test_a_readied_program_the_exporter_cannot_translate_is_exported_its_own_way
     assert [r["passed"] for r in manifest["verification"]] == [True]
     assert wrapper.last.declined == "turned off"  # the second export went the exporter's way
     assert wrapper.enabled
+
+
+def test_an_in_place_op_mixing_dtypes_keeps_its_dtype(tmp_path: Path) -> None:
+    """`h16.mul_(s32)` stays float16 where `mul` would promote to float32: left to the exporter."""
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 3.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x).half() * 2  # a fresh float16 tensor
+            h.mul_(self.scale)
+            return h.float() + 1
+
+    program = torch.export.export(Mixed().eval(), (torch.randn(2, 4),))
+    ready = onnx_ready.ready_for_onnx(program, _registry())
+    assert ready.program is None and "mixes dtypes" in ready.declined

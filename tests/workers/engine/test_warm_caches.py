@@ -104,3 +104,44 @@ def test_reading_a_pt2_again_resolves_no_type_hints(tmp_path: Path, tiny_pt2: Pa
     assert cached.graph_signature == plain.graph_signature
     x = torch.randn(3, 8)
     assert torch.equal(cached.module()(x), plain.module()(x))
+
+
+def test_torchlib_ops_read_without_their_ir_are_what_onnxscript_lists() -> None:
+    """Every torchlib function, with the domain its compiled IR gives; and the function the
+    exporter calls is the one that compiles none."""
+    from onnxscript._framework_apis import torch_2_5
+    from torch.onnx._internal._lazy_import import onnxscript_apis
+
+    warm_caches.cache_onnx_registry()
+    assert onnxscript_apis.get_torchlib_ops is warm_caches.torchlib_ops_without_ir
+    fast = warm_caches.torchlib_ops_without_ir()
+    slow = torch_2_5.get_torchlib_ops()  # onnxscript's own: the IR of every function
+    key = lambda m: (m.qualified_name, m.function, m.domain, m.name, m.is_complex)  # noqa: E731
+    assert len(fast) > 500 and [key(m) for m in fast] == [key(m) for m in slow]
+
+
+def test_a_fresh_process_builds_the_onnx_registry_without_compiling_every_function() -> None:
+    """The IR of a torchlib function is built from its Python source (`get_src_and_ast`): the
+    first registry build of a fresh process parses none."""
+    import subprocess
+    import sys
+
+    script = (
+        "import onnxscript._internal.ast_utils as a, onnxscript._internal.values as v\n"
+        "n = [0]\n"
+        "real = a.get_src_and_ast\n"
+        "def counted(f):\n"
+        "    n[0] += 1\n"
+        "    return real(f)\n"
+        "a.get_src_and_ast = v.ast_utils.get_src_and_ast = counted\n"
+        "from fxport.workers.engine import warm_caches\n"
+        "warm_caches.cache_onnx_registry()\n"
+        "from torch.onnx._internal.exporter import _registration\n"
+        "import onnxscript.function_libs.torch_lib.ops\n"  # its import compiles the scripted ones
+        "n[0] = 0\n"
+        "registry = _registration.ONNXRegistry.from_torchlib()\n"
+        "print(n[0], len(registry.functions))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    parsed, registered = map(int, out.split()[-2:])
+    assert registered > 400 and parsed == 0

@@ -3,7 +3,7 @@
 torch.onnx.export (torch 2.13) hands every program to `ExportedProgram.run_decompositions`, with a
 table of the ops ONNX has no translation for. That re-traces the whole program through
 aot_autograd with fake tensors and a symbolic batch, whatever it finds: for the ResNet-18 fxport's
-passes leave, 0.55-0.97 s warm on a 2-core AMD EPYC VM, most of the ONNX export, to change 18 of
+passes leave, 0.55-1.09 s warm on a 2-core AMD EPYC VM, most of the ONNX export, to change 18 of
 its 48 operator nodes in two simple ways (`relu_` to `relu`, `adaptive_avg_pool2d` to `mean`).
 
 `ready_for_onnx` makes such changes on a copy of the program's graph, and hands the exporter that
@@ -13,17 +13,20 @@ copy, in place of the re-trace, when every node then has a translation of its ow
   node can see the write: the tensor written is one an op made fresh (not an input, a parameter, a
   view, or what a composite such as `dropout` or `contiguous` may hand back as it is), and nothing
   reads it after the write but through the in-place op's result (torch.export routes later reads
-  that way);
+  that way); and it reads only tensors of the written one's dtype, which it keeps where the twin
+  would promote;
 - `dropout_` in eval writes its input's own values: it becomes `dropout`;
 - `adaptive_avg_pool2d` to 1x1, a network's global pooling, becomes `mean` over the last two dims,
   as torch's own decomposition writes it;
+- `__and__`, `__or__`, `__xor__` (`a & b`...) become the `bitwise_*` ops they call;
 - `to(dtype)`/`to(device)` with nothing more asked becomes `_to_copy`, as torch's does (with no
   mutation left in the graph, a copy where `to` would hand back its input changes no value);
 - the checks the exporter erases after its decomposition (`_assert_tensor_metadata`...) stay.
 
 Anything else (an op ONNX lacks, another mutation, a control-flow subgraph, a mutated input or
 buffer in the program's signature) leaves the program to the exporter's decomposition, unchanged.
-Every ONNX artifact is then checked against the original model by verification, on either path.
+Should the exporter fail on a readied program, `OnnxFromGraphModule` exports again the exporter's
+own way. Every ONNX artifact is then checked against the original model by verification.
 
 The replaced name is the exporter's `_fx_passes.decompose_with_registry` in the pinned torch
 (pyproject: torch==2.13.0); the installer checks it is the function it was written against, and
@@ -81,6 +84,9 @@ def ready_for_onnx(program: torch.export.ExportedProgram, registry: Any) -> Read
         elif node.target in _TO and (conversion := _plain_conversion(node)) is not None:
             node.target, node.args, node.kwargs = _aten._to_copy.default, (node.args[0],), conversion
             changed += 1
+        elif node.target in _SAME_OP:
+            node.target = _SAME_OP[node.target]
+            changed += 1
         elif node.target is _aten.dropout_.default and _eval_dropout(node):
             node.target = _aten.dropout.default  # the same values, written over themselves: nothing to see
             changed += 1
@@ -89,6 +95,8 @@ def ready_for_onnx(program: torch.export.ExportedProgram, registry: Any) -> Read
             invisible = _write_is_invisible(node, order, origin, unshared)
             if twin is None or not registry.is_registered(twin) or not invisible:
                 return Readiness(None, declined=f"{node.name} ({node.target}) writes a tensor other nodes may read")
+            if not _one_dtype(node):
+                return Readiness(None, declined=f"{node.name} ({node.target}) mixes dtypes: its twin would promote")
             node.target = twin
             unshared.add(node)
             changed += 1
@@ -120,6 +128,12 @@ _ASSERTIONS = frozenset({
 })
 
 
+# composites that are another op under a second name (`a & b` is `bitwise_and`), same arguments
+_SAME_OP = {
+    _aten.__and__.Tensor: _aten.bitwise_and.Tensor, _aten.__and__.Scalar: _aten.bitwise_and.Scalar,
+    _aten.__or__.Tensor: _aten.bitwise_or.Tensor, _aten.__or__.Scalar: _aten.bitwise_or.Scalar,
+    _aten.__xor__.Tensor: _aten.bitwise_xor.Tensor, _aten.__xor__.Scalar: _aten.bitwise_xor.Scalar,
+}
 _TO = frozenset({_aten.to.dtype, _aten.to.device, _aten.to.dtype_layout})
 
 
@@ -185,6 +199,13 @@ def _write_is_invisible(node: Node, order: dict[Node, int], origin: dict[Node, A
     if written not in unshared and not _returns_fresh(origin[written]):
         return False
     return all(order[user] < order[node] for user in written.users if user is not node)
+
+
+def _one_dtype(node: Node) -> bool:
+    """Every tensor the in-place op reads has the dtype of the one it writes. An in-place op keeps
+    that dtype (`h16.mul_(s32)` stays float16); its twin would promote (`mul(h16, s32)` is float32)."""
+    dtypes = {getattr(a.meta.get("val"), "dtype", None) for a in node.all_input_nodes}
+    return len(dtypes) == 1 and None not in dtypes
 
 
 # Composite ops keep their own schema, and some return their input as it is: `dropout` in eval,
