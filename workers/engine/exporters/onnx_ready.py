@@ -39,6 +39,7 @@ import contextlib
 import copy
 import logging
 import operator
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -245,32 +246,48 @@ def install() -> DecomposeWhereNeeded | None:
 
 
 class DecomposeWhereNeeded:
-    """The exporter's `decompose_with_registry`, which tries `ready_for_onnx` first."""
+    """The exporter's `decompose_with_registry`, which tries `ready_for_onnx` first. What it found
+    and whether it is on are kept per thread, as an export runs in one."""
 
     def __init__(self, decompose: Any) -> None:
         self.decompose = decompose
-        self.enabled = True  # benchmarks and tests compare with the exporter's own way
-        self.last = _NOT_YET  # what the last export found (tests and benchmarks read it)
+        self._thread = threading.local()
+
+    @property
+    def enabled(self) -> bool:
+        """Off, exports take the exporter's own way (benchmarks and tests compare the two)."""
+        return bool(getattr(self._thread, "enabled", True))
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._thread.enabled = value
+
+    @property
+    def last(self) -> Readiness:
+        """What this thread's last export found."""
+        found = getattr(self._thread, "last", None)
+        return found if isinstance(found, Readiness) else _NOT_YET
 
     def __call__(self, program: torch.export.ExportedProgram, registry: Any) -> torch.export.ExportedProgram:
-        self.last = ready_for_onnx(program, registry) if self.enabled else Readiness(None, declined="turned off")
-        if self.last.program is not None:
-            return self.last.program
-        log.debug("ONNX export: the exporter decomposes the program: %s", self.last.declined)
+        found = ready_for_onnx(program, registry) if self.enabled else Readiness(None, declined="turned off")
+        self._thread.last = found
+        if found.program is not None:
+            return found.program
+        log.debug("ONNX export: the exporter decomposes the program: %s", found.declined)
         return self.decompose(program, registry)
 
     def reset(self) -> None:
         """Before an export: `handed_over` then tells of that export alone."""
-        self.last = _NOT_YET
+        self._thread.last = _NOT_YET
 
     @property
     def handed_over(self) -> bool:
-        """Whether the export since `reset` was given a program `ready_for_onnx` readied."""
+        """Whether this thread's export since `reset` was given a program `ready_for_onnx` readied."""
         return self.last.program is not None
 
     @contextlib.contextmanager
     def off(self) -> Iterator[None]:
-        """Exports within go through the exporter's own decomposition, whatever the program."""
+        """Exports within (on this thread) take the exporter's own way, whatever the program."""
         enabled, self.enabled = self.enabled, False
         try:
             yield
