@@ -2,8 +2,9 @@
 
 Each model here is exported to ONNX through the exporter as fxport installs it and run in ONNX
 Runtime against eager PyTorch. The rewrites must change no value: where an in-place op's write
-could be seen (through a later read, a view, a composite handing its input back, a `to` that is
-a no-op), the program goes to the exporter's own decomposition, which keeps eager's semantics.
+could be seen (through a view, a composite handing its input back, a `to` that is a no-op, a read
+by the old name), the program goes to the exporter's own decomposition, as it did before fxport
+skipped any.
 """
 
 from __future__ import annotations
