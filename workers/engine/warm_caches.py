@@ -20,9 +20,10 @@
   dataclasses once per node: ~6,000 `typing.get_type_hints` calls for a ResNet-18, a third of
   the load. They depend only on the class, so they are resolved once per class.
 
-Both replace a private name of the pinned torch (pyproject: torch==2.13.0). Each installer checks
-that its name is what it was written against and leaves torch alone where it is not: then
-only the speed is lost, never a result.
+Each replaces a private name: of the pinned torch (pyproject: torch==2.13.0), or, for the
+torchlib list, of onnxscript, whose version is not pinned. Each installer checks that its name is
+what it was written against and leaves the library alone where it is not: then only the speed is
+lost, never a result.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def cache_onnx_registry() -> None:
-    """Install the ONNX op registry and decomposition-table caches in this process (once; before
-    an ONNX export)."""
+    """Install the ONNX op registry and decomposition-table caches, and the torchlib list read
+    without the IR, in this process (once; before an ONNX export)."""
     _install("torchlib ops without their IR", _torchlib_ops_without_ir)
     _install("ONNX op registry", _cache_onnx_registry)
     _install("ONNX decomposition table", _cache_onnx_decompositions)
