@@ -112,11 +112,15 @@ def test_the_program_it_is_given_is_left_as_it_was() -> None:
     assert "relu_" in before and "adaptive_avg_pool2d" in before
 
 
-class _ReadAfterWrite(nn.Module):
+class _OneConv(nn.Module):
+    """A 1x1 convolution whose output the cases below write in place."""
+
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 3, 1)
 
+
+class _ReadAfterWrite(_OneConv):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
         y = h.relu_()
@@ -147,23 +151,15 @@ def test_a_read_of_the_old_name_after_the_write_keeps_the_in_place_op() -> None:
     assert onnx_ready._write_is_invisible(relu_, order, origin, set())
 
 
-class _WriteThroughView(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 3, 1)
-
+class _WriteThroughView(_OneConv):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
         h.view(-1).relu_()
         return h * 2  # the write reached h through its view
 
 
-class _WriteThroughComposite(nn.Module):
+class _WriteThroughComposite(_OneConv):
     """`dropout` in eval hands back its input: a write to its result is a write to `h`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 3, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
@@ -172,12 +168,8 @@ class _WriteThroughComposite(nn.Module):
         return h + d
 
 
-class _WriteThroughNoOpCast(nn.Module):
+class _WriteThroughNoOpCast(_OneConv):
     """`to` the dtype a tensor has hands it back: the write reaches `h`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 3, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
