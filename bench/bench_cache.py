@@ -159,6 +159,53 @@ def cpu_s(pid: int) -> float:
     return total / tick
 
 
+WORKER_ROLES = ("sandbox children (the conversions)", "job processes (Celery pool: bookkeeping, store, report)",
+                "zygotes (forking the spares)", "Celery main processes")
+
+
+def worker_roles(roots: list[int]) -> dict[str, float]:
+    """CPU seconds so far of worker trees (`fxport worker` processes), split by role: the Celery
+    main process, its pool (job) processes with what they reaped (`dot`), the warm zygote, and
+    the sandbox children the zygote forked (reaped, or alive now)."""
+    from tests.fixtures.servers import descendants
+
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(pid: int) -> tuple[int, float, float] | None:  # ppid, own, reaped children
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return int(f[1]), (int(f[11]) + int(f[12])) / tick, (int(f[13]) + int(f[14])) / tick
+
+    def is_zygote(pid: int) -> bool:
+        try:
+            return b"fxport.workers.sandbox.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    out = dict.fromkeys(WORKER_ROLES, 0.0)
+    children, pool, zygote, main = WORKER_ROLES
+    for root in roots:
+        st = stat(root)
+        if st is None:
+            continue
+        out[main] += st[1] + st[2]
+        for pid in descendants(root):
+            st = stat(pid)
+            if st is None:
+                continue
+            ppid, own, reaped = st
+            if is_zygote(pid) and is_zygote(ppid):  # a spare or a job's child, forked from the zygote
+                out[children] += own + reaped
+            elif is_zygote(pid):
+                out[zygote] += own
+                out[children] += reaped
+            else:  # a pool process, or a process it started (`dot`)
+                out[pool] += own + reaped
+    return out
+
+
 def seaweed_write_cost(s3: object, debug_url: str | None, work: Path, mib: int = 45,
                        seconds: int = 3) -> dict[str, Any]:
     """SeaweedFS's CPU per MiB written (PUTs of `mib` MiB for `seconds`), and where it goes:
@@ -452,10 +499,11 @@ def proof_check_alone(store: Any, key: str) -> dict[str, float]:
 
 # -- 3. throughput ----------------------------------------------------------------------
 
-def throughput(address: str, models: list[Path], pids: dict[str, int]) -> dict[str, Any]:
+def throughput(address: str, models: list[Path], pids: dict[str, int], workers: list[int]) -> dict[str, Any]:
     from fxport.client import Client
 
     with Client(address) as client:
+        roles_before = worker_roles(workers)
         before = {k: cpu_s(p) for k, p in pids.items()}
         self_before = sum(os.times()[:2])
         t0 = time.perf_counter()
@@ -464,6 +512,7 @@ def throughput(address: str, models: list[Path], pids: dict[str, int]) -> dict[s
             done = list(pool.map(lambda j: j.wait(timeout=600), jobs))
         wall = time.perf_counter() - t0
         after = {k: cpu_s(p) for k, p in pids.items()}
+        roles_after = worker_roles(workers)
         self_cpu = sum(os.times()[:2]) - self_before
     assert all(j.succeeded and not j.message.cache_hit for j in done), [j.error for j in done if not j.succeeded]
     recs = [j.to_dict() for j in done]
@@ -472,7 +521,8 @@ def throughput(address: str, models: list[Path], pids: dict[str, int]) -> dict[s
     cpu = {k: after[k] - before[k] for k in pids}
     cpu["client (this process)"] = self_cpu
     return {"n": len(done), "wall": wall, "jobs_s": len(done) / wall, "running_p50": statistics.median(running),
-            "queued_p50": statistics.median(queued), "cpu": cpu}
+            "queued_p50": statistics.median(queued), "cpu": cpu,
+            "roles": {k: roles_after[k] - roles_before[k] for k in WORKER_ROLES}}
 
 
 def tiny_engine_costs(model: Path, work: Path, n: int = 5) -> dict[str, float]:
@@ -656,7 +706,8 @@ def main() -> None:
                 j.wait(timeout=300)
         pids = {"API server": stack.api.process.pid, "worker 1 (pool + sandboxes)": stack.workers["cpu"].pid,
                 "worker 2 (pool + sandboxes)": extra.pid, "Redis": redis.process.pid, "SeaweedFS S3": s3.process.pid}
-        rounds = [throughput(stack.address, tinies[4 + r * args.tiny_jobs: 4 + (r + 1) * args.tiny_jobs], pids)
+        rounds = [throughput(stack.address, tinies[4 + r * args.tiny_jobs: 4 + (r + 1) * args.tiny_jobs], pids,
+                             [stack.workers["cpu"].pid, extra.pid])
                   for r in range(args.rounds)]
         tp = sorted(rounds, key=lambda r: r["jobs_s"])[len(rounds) // 2]
         tp["all_jobs_s"] = [r["jobs_s"] for r in rounds]
@@ -735,6 +786,9 @@ def report(args: Any, inproc: list[float], boxed: list[float], runs: list[dict[s
     tp_cpu = "\n".join(f"| {k} | {v:.2f} | {v / tp['n'] * 1000:.0f} |" for k, v in tp["cpu"].items())
     cpu_total = sum(tp["cpu"].values())
     per_job_ms = cpu_total / tp["n"] * 1000
+    roles = tp["roles"]
+    tp_roles = "\n".join(f"| {k} | {v:.2f} | {v / tp['n'] * 1000:.0f} |" for k, v in roles.items())
+    child_ms, pool_ms = (roles[k] / tp["n"] * 1000 for k in WORKER_ROLES[:2])
     md = f"""## Speed: overhead, cache hits, throughput (`bench/bench_cache.py`)
 
 Machine: {machine()}, shared with other work while it ran: every comparison below is
@@ -856,7 +910,15 @@ The two cores are the limit: CPU time of every process during the run —
 | **all** | **{cpu_total:.2f}** | **{per_job_ms:.0f}** |
 
 At {per_job_ms:.0f} CPU-ms per job two fully busy cores give at most {2000 / per_job_ms:.1f} jobs/s.
-Each worker's share includes its sandbox child: the conversion alone takes {tiny['in_process'] * 1000:.0f} ms
+The two workers' share, by role:
+
+| role (both workers) | CPU s | CPU ms per job |
+|---|---|---|
+{tp_roles}
+
+A job's sandbox child and its job process alone take {child_ms + pool_ms:.0f} CPU-ms ({child_ms:.0f} + {pool_ms:.0f}):
+with the API, Redis, the S3 server and the client costing nothing, two cores would still give at most
+{2000 / (child_ms + pool_ms):.1f} jobs/s. The conversion alone takes {tiny['in_process'] * 1000:.0f} ms
 in-process ({tiny['stages'] * 1000:.0f} ms in the engine's stages, the rest writing manifest.json and
 report.html) and {tiny['sandboxed'] * 1000:.0f} ms in a warm sandbox (a child the ~0.5 GB zygote forked
 ahead of the job with its copy-on-write faults taken, limits, result hand-over, exit). The rest of a worker's share is the job's bookkeeping (Celery, the job
