@@ -144,19 +144,22 @@ class EngineWait:
         return max(during, default=(0.0, 0.0))
 
 
+def proc_times(pid: int) -> tuple[int, float, float] | None:
+    """(parent pid, own CPU seconds, its reaped children's CPU seconds) of a live process; None
+    once it is gone."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(f[1]), (int(f[11]) + int(f[12])) / tick, (int(f[13]) + int(f[14])) / tick  # utime stime, cutime cstime
+
+
 def cpu_s(pid: int) -> float:
     """CPU seconds of a process tree: each live process's own time plus its reaped children's."""
     from tests.fixtures.servers import descendants
 
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for p in [pid, *descendants(pid)]:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
-    return total / tick
+    return sum(t[1] + t[2] for p in [pid, *descendants(pid)] if (t := proc_times(p)) is not None)
 
 
 WORKER_ROLES = ("sandbox children (the conversions)", "job processes (Celery pool: bookkeeping, store, report)",
@@ -169,15 +172,6 @@ def worker_roles(roots: list[int]) -> dict[str, float]:
     the sandbox children the zygote forked (reaped, or alive now)."""
     from tests.fixtures.servers import descendants
 
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def stat(pid: int) -> tuple[int, float, float] | None:  # ppid, own, reaped children
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return int(f[1]), (int(f[11]) + int(f[12])) / tick, (int(f[13]) + int(f[14])) / tick
-
     def is_zygote(pid: int) -> bool:
         try:
             return b"fxport.workers.sandbox.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -187,22 +181,20 @@ def worker_roles(roots: list[int]) -> dict[str, float]:
     out = dict.fromkeys(WORKER_ROLES, 0.0)
     children, pool, zygote, main = WORKER_ROLES
     for root in roots:
-        st = stat(root)
-        if st is None:
+        if (times := proc_times(root)) is None:
             continue
-        out[main] += st[1] + st[2]
+        out[main] += times[1] + times[2]
         for pid in descendants(root):
-            st = stat(pid)
-            if st is None:
+            if (times := proc_times(pid)) is None:
                 continue
-            ppid, own, reaped = st
-            if is_zygote(pid) and is_zygote(ppid):  # a spare or a job's child, forked from the zygote
+            ppid, own, reaped = times
+            if not is_zygote(pid):  # a pool process, or a process it started (`dot`)
+                out[pool] += own + reaped
+            elif is_zygote(ppid):  # a spare or a job's child, forked from the zygote
                 out[children] += own + reaped
-            elif is_zygote(pid):
+            else:  # the zygote: its reaped children are the jobs' children
                 out[zygote] += own
                 out[children] += reaped
-            else:  # a pool process, or a process it started (`dot`)
-                out[pool] += own + reaped
     return out
 
 
