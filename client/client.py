@@ -32,6 +32,7 @@ from fxport.client.errors import (
 )
 from fxport.digest import remembered_sha256, write_checked
 from fxport.errors import InvalidInput
+from fxport.text import printable
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
 
@@ -151,8 +152,8 @@ class JobEvent:
 
     @classmethod
     def from_pb(cls, ev: pb.JobEvent) -> JobEvent:
-        return cls(seq=ev.seq, job_id=ev.job_id, state=_state_name(ev.state), stage=ev.stage,
-                   progress=ev.progress, message=ev.message, time=_ts(ev, "time"),
+        return cls(seq=ev.seq, job_id=ev.job_id, state=_state_name(ev.state), stage=printable(ev.stage),
+                   progress=ev.progress, message=printable(ev.message), time=_ts(ev, "time"),
                    staged=_artifact_dict(ev.staged) if ev.HasField("staged") else None)
 
     def to_dict(self) -> dict[str, Any]:
@@ -187,7 +188,7 @@ class Job:
 
     @property
     def stage(self) -> str:
-        return self._msg.stage
+        return printable(self._msg.stage)
 
     @property
     def progress(self) -> float:
@@ -206,7 +207,8 @@ class Job:
         if not self._msg.HasField("error"):
             return None
         e = self._msg.error
-        return {"stage": e.stage, "code": e.code, "message": e.message, "detail": e.detail}
+        return {"stage": printable(e.stage), "code": printable(e.code), "message": printable(e.message),
+                "detail": printable(e.detail)}
 
     @property
     def artifacts(self) -> list[dict[str, Any]]:
@@ -229,8 +231,8 @@ class Job:
     def to_dict(self) -> dict[str, Any]:
         m = self._msg
         out: dict[str, Any] = {
-            "id": m.id, "tenant": m.tenant, "state": self.state, "stage": m.stage, "progress": m.progress,
-            "message": m.message, "error": self.error, "artifacts": self.artifacts, "labels": dict(m.labels),
+            "id": m.id, "tenant": m.tenant, "state": self.state, "stage": self.stage, "progress": m.progress,
+            "message": printable(m.message), "error": self.error, "artifacts": self.artifacts, "labels": dict(m.labels),
             "model": {"sha256": m.model.sha256, "bytes": m.model.bytes, "filename": m.model.filename},
             "calibration": ({"sha256": m.calibration.sha256, "bytes": m.calibration.bytes,
                              "filename": m.calibration.filename} if m.HasField("calibration") else None),

@@ -90,6 +90,10 @@ class Settings(BaseSettings):
         16384, ge=256, description="Ceiling on a job's spec.limits.memory_mb (sandbox address space).")
     max_job_timeout_s: int = Field(
         1800, ge=10, description="Ceiling on a job's spec.limits.timeout_s (sandbox wall clock).")
+    max_job_output_bytes: int = Field(
+        64 << 30, ge=1 << 20, description="Bytes a job's sandbox may write in all (its files' sizes, sparse ones "
+        "at their full size), watched while it runs; past it the job fails, naming this setting. Also the most "
+        "the worker uploads for one job.")
     events_ttl_s: int = Field(
         7 * 24 * 3600, ge=60, description="A job's event stream (Redis) expires this long after its last event; "
         "WatchJob on an older job then answers with its final state alone. The job record stays until retention "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fxport.text import cause_chain, printable, printable_or_none
+
 # CLI exit codes (DESIGN.md §4).
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -27,12 +29,13 @@ class FxportError(Exception):
         field: str | None = None,
         detail: str | None = None,
     ) -> None:
+        message = printable(message)  # a model's or a library's escape sequences never reach a terminal
         super().__init__(message)
         self.message = message
         self.stage = stage
-        self.hint = hint
-        self.field = field
-        self.detail = detail
+        self.hint = printable_or_none(hint)
+        self.field = printable_or_none(field)
+        self.detail = printable_or_none(detail)
 
     def __str__(self) -> str:
         text = self.message
@@ -41,11 +44,15 @@ class FxportError(Exception):
         return text
 
     def to_dict(self) -> dict[str, Any]:
+        """The error record: `detail` ends with the exceptions this one was raised from, so that
+        the real cause (a library's own error under "ONNX export failed") is kept."""
+        causes = cause_chain(self)
+        detail = "\n".join(part for part in (self.detail, causes) if part) or None
         return {
             "stage": self.stage,
             "code": self.code,
             "message": str(self),
-            "detail": self.detail,
+            "detail": detail,
             "field": self.field,
         }
 
@@ -62,17 +69,45 @@ class SpecError(InvalidInput):
 
     code = "invalid_spec"
 
+    MAX_VIOLATIONS = 20  # listed; the rest are counted
+    MAX_LINE = 400  # characters of one violation's line
+
     def __init__(self, violations: list[tuple[str, str]]) -> None:
-        self.violations = violations
-        lines = [f"{path}: {msg}" for path, msg in violations]
+        self.count = len(violations)  # all of them; `violations` keeps the first MAX_VIOLATIONS
+        self.violations = violations = [(_cut(path, 120), msg) for path, msg in violations[: self.MAX_VIOLATIONS]]
         super().__init__(
-            "invalid job spec:\n  " + "\n  ".join(lines),
+            self.text(),
             stage="submit",
             field=violations[0][0] if violations else None,
         )
 
     def __str__(self) -> str:
         return self.message
+
+    def lines(self, max_chars: int | None = None) -> list[str]:
+        """A line per violation (each at most MAX_LINE characters), as many as fit in `max_chars`
+        (at least one)."""
+        lines: list[str] = []
+        used = 0
+        for path, msg in self.violations:
+            line = _cut(f"{path}: {msg}", self.MAX_LINE)
+            if max_chars is not None and lines and used + len(line) > max_chars:
+                break
+            lines.append(line)
+            used += len(line) + 3
+        return lines
+
+    def text(self, max_chars: int | None = None) -> str:
+        """The message: `lines(max_chars)`, then how many violations were left out."""
+        lines = self.lines(max_chars)
+        left_out = self.count - len(lines)
+        if left_out:
+            lines.append(f"… and {left_out} more violation(s): fix these first")
+        return "invalid job spec:\n  " + "\n  ".join(lines)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class UnsupportedModelFormat(InvalidInput):

@@ -36,6 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from fxport.manifest import PrintableText
 from fxport.storage import JOB_ID_RE, job_prefix
 
 
@@ -72,10 +73,12 @@ class ArtifactRecord(BaseModel):
 
 
 class JobErrorInfo(BaseModel):
-    stage: str | None = None
-    code: str = "internal"
-    message: str
-    detail: str | None = None
+    """A failed job's error (no control characters, whoever wrote it)."""
+
+    stage: PrintableText | None = None
+    code: PrintableText = "internal"
+    message: PrintableText
+    detail: PrintableText | None = None
 
 
 class StageTiming(BaseModel):

@@ -20,9 +20,15 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from fxport.text import printable
+
+# A record's text field: stripped whenever a record is built or read (a manifest a sandbox child
+# wrote, a job record read back from the store), whoever wrote it.
+PrintableText = Annotated[str, AfterValidator(printable)]
 
 SCHEMA_VERSION = 2  # 1: every manifest before the field existed (no `schema_version` key)
 
@@ -97,13 +103,13 @@ class FailedTarget(_Record):
 
 
 class ErrorRecord(_Record):
-    """FxportError.to_dict(): what failed, where, and what to do."""
+    """FxportError.to_dict(): what failed, where, and what to do (no control characters)."""
 
-    stage: str | None = None
-    code: str | None = None
-    message: str = ""
-    detail: str | None = None
-    field: str | None = None
+    stage: PrintableText | None = None
+    code: PrintableText | None = None
+    message: PrintableText = ""
+    detail: PrintableText | None = None
+    field: PrintableText | None = None
 
 
 class Manifest(_Record):
@@ -205,7 +211,7 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-@functools.cache
+@functools.cache  # keyed on (class, field): a field's default is fixed once its class is defined
 def _default(cls: type[BaseModel], key: str) -> Any:
     """A field's default, made once per class (pydantic inspects the factory's signature on every
     call): only ever compared with, never handed out, so a mutable default is never shared."""

@@ -45,6 +45,14 @@ MAX_DRAWN_NODES = 300
 # dot is deterministic and fast for MAX_DRAWN_NODES nodes; the limit guards against a wedged binary.
 DOT_TIMEOUT_S = 60
 LAYOUT_CACHE_ENTRIES = 64
+# What one report draws at most, whatever the manifest holds (a worker draws the report from a
+# manifest its sandboxed model could shape: a forged 1.8 MiB one once cost 96 s of a worker's CPU and
+# a 181 MiB report.html): items of any list (table rows, chart bars, benchmark rows) and of any
+# mapping, and characters of any string. A real conversion stays far below (a few dozen rows per
+# table; the graph's nodes are drawn MAX_DRAWN_NODES at most anyway); what is cut is said at the top.
+MAX_REPORT_ITEMS = 500
+MAX_REPORT_CHARS = 2000
+MAX_REPORT_BYTES = 32 << 20  # past this the page says only that, and manifest.json holds everything
 
 # Page order: what a reader checks first (did it work, does it match, where does time go) comes first.
 SECTIONS = (
@@ -116,8 +124,50 @@ details > summary { cursor: pointer; color: #1a56db; margin: 6px 0; }
 
 
 def render_report(manifest: dict[str, Any], *, layout: DotLayout | None = None) -> str:
-    """The whole report.html for `manifest` (a parsed manifest.json) as one string.
-    `layout` runs `dot` (default: `run_dot`, a plain subprocess)."""
+    """The whole report.html for `manifest` (a parsed manifest.json) as one string, drawn from at
+    most MAX_REPORT_ITEMS items of each list and MAX_REPORT_CHARS characters of each string
+    (`bounded`), and at most MAX_REPORT_BYTES long. `layout` runs `dot` (default: `run_dot`, a
+    plain subprocess)."""
+    cut: list[str] = []
+    manifest = bounded(manifest, cut)
+    page = _render(manifest, cut, layout)
+    if len(page) > MAX_REPORT_BYTES:
+        cut = [f"the report came to {len(page) >> 20} MiB, past the {MAX_REPORT_BYTES >> 20} MiB a report may take"]
+        page = _render({k: manifest.get(k) for k in ("job_id", "status", "fxport_version", "error")}, cut, layout)
+    return page
+
+
+def bounded(value: Any, cut: list[str], where: str = "manifest", depth: int = 0) -> Any:
+    """`value` with every list and mapping cut to MAX_REPORT_ITEMS items and every string to
+    MAX_REPORT_CHARS characters; `cut` collects where (at most a few dozen notes)."""
+    if isinstance(value, str):
+        if len(value) <= MAX_REPORT_CHARS:
+            return value
+        _note(cut, f"{where}: {len(value)} characters, cut to {MAX_REPORT_CHARS}")
+        return value[:MAX_REPORT_CHARS] + "…"
+    if depth > 32:
+        _note(cut, f"{where}: nested more than 32 levels, left out")
+        return None
+    if isinstance(value, list):
+        if len(value) > MAX_REPORT_ITEMS:
+            _note(cut, f"{where}: {len(value)} items, the first {MAX_REPORT_ITEMS} shown")
+        return [bounded(v, cut, f"{where}[{i}]", depth + 1) for i, v in enumerate(value[:MAX_REPORT_ITEMS])]
+    if isinstance(value, dict):
+        if len(value) > MAX_REPORT_ITEMS:
+            _note(cut, f"{where}: {len(value)} keys, the first {MAX_REPORT_ITEMS} shown")
+        items = list(value.items())[:MAX_REPORT_ITEMS]
+        return {str(k)[:MAX_REPORT_CHARS]: bounded(v, cut, f"{where}.{str(k)[:40]}", depth + 1) for k, v in items}
+    return value
+
+
+def _note(cut: list[str], note: str) -> None:
+    if len(cut) < 20:
+        cut.append(note)
+    elif len(cut) == 20:
+        cut.append("… and more")
+
+
+def _render(manifest: dict[str, Any], cut: list[str], layout: DotLayout | None) -> str:
     job = manifest.get("job_id") or "local conversion"
     status = str(manifest.get("status") or "unknown")
     renderers: dict[str, Callable[[dict[str, Any]], str | None]] = {
@@ -153,8 +203,16 @@ def render_report(manifest: dict[str, Any], *, layout: DotLayout | None = None) 
         f"<header><h1>fxport conversion report {_status_badge(status)}</h1>"
         f'<div class="sub">job <span class="mono">{_e(job)}</span> · fxport {_e(manifest.get("fxport_version"))}'
         " · generated from manifest.json</div></header>\n"
-        f"<nav>{''.join(nav)}</nav>\n<main>\n" + "\n".join(parts) + "\n</main>\n</body>\n</html>\n"
+        f"<nav>{''.join(nav)}</nav>\n<main>\n" + _cut_note(cut) + "\n".join(parts) + "\n</main>\n</body>\n</html>\n"
     )
+
+
+def _cut_note(cut: list[str]) -> str:
+    if not cut:
+        return ""
+    items = "".join(f"<li>{_e(note)}</li>" for note in cut)
+    return (f'<p class="note">This report draws at most {MAX_REPORT_ITEMS} items of a list and {MAX_REPORT_CHARS} '
+            f"characters of a text; manifest.json holds everything. Cut here:</p><ul class=\"note\">{items}</ul>\n")
 
 
 def write_report(manifest_path: Path, out_path: Path | None = None, *, layout: DotLayout | None = None) -> Path:
@@ -603,6 +661,7 @@ def run_dot(source: bytes) -> bytes:
                           timeout=DOT_TIMEOUT_S).stdout
 
 
+# keyed on the DOT source's sha256 (all a layout depends on, with `dot` fixed for a process's life)
 _layouts: OrderedDict[str, bytes] = OrderedDict()
 _layouts_lock = threading.Lock()
 

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fxport.errors import SpecError
+from fxport.text import short_repr
 
 TARGETS = ("torchscript", "onnx", "exported_program", "fx_source", "tensorrt")
 Target = Literal["torchscript", "onnx", "exported_program", "fx_source", "tensorrt"]
@@ -84,7 +85,7 @@ class SubstituteOpsOptions(_Strict):
         unknown = [name for name in v if name not in SUBSTITUTIONS]
         if unknown:
             raise ValueError(
-                f"unknown swap{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"unknown swap{'s' if len(unknown) > 1 else ''} {', '.join(map(short_repr, unknown[:5]))}; "
                 f"valid swaps: {', '.join(SUBSTITUTIONS)}"
             )
         return v
@@ -168,7 +169,7 @@ class PassSpec(_Strict):
     def _check(self) -> PassSpec:
         info = PASS_CATALOG.get(self.name)
         if info is None:
-            raise ValueError(f"unknown pass {self.name!r}; valid passes: {', '.join(PASS_NAMES)}")
+            raise ValueError(f"unknown pass {short_repr(self.name)}; valid passes: {', '.join(PASS_NAMES)}")
         try:
             parsed = info.options.model_validate(self.options)
         except ValidationError as exc:
@@ -176,7 +177,7 @@ class PassSpec(_Strict):
             where = ".".join(str(p) for p in first["loc"])
             valid = ", ".join(info.options.model_fields) or "none"
             raise ValueError(
-                f"pass {self.name!r} option {where!r}: {_plain(first)} (valid options: {valid})"
+                f"pass {short_repr(self.name)} option {short_repr(where)}: {_plain(first)} (valid options: {valid})"
             ) from None
         self.options = parsed.model_dump()
         return self
@@ -218,7 +219,7 @@ class InputSpec(_Strict):
             if isinstance(d, int) and not (1 <= d <= MAX_DIM):
                 raise ValueError(f"dim {i} is {d}; a static dim must be between 1 and {MAX_DIM}")
             if isinstance(d, str) and not _NAME.match(d):
-                raise ValueError(f"dim {i} {d!r}: a dynamic dim name must be an identifier")
+                raise ValueError(f"dim {i} {short_repr(d)}: a dynamic dim name must be an identifier")
         return v
 
 
@@ -354,8 +355,8 @@ class JobSpec(_Strict):
             return v
         for i, name in enumerate(v):
             if not _TENSOR_NAME.match(name):
-                raise ValueError(f"outputs[{i}] {name!r}: use 1-128 of letters, digits, _ . : / - (not starting "
-                                 "with a digit or punctuation)")
+                raise ValueError(f"outputs[{i}] {short_repr(name)}: use 1-128 of letters, digits, _ . : / - "
+                                 "(not starting with a digit or punctuation)")
         dup = sorted({n for n in v if v.count(n) > 1})
         if dup:
             raise ValueError(f"duplicate output names {dup}")
@@ -376,9 +377,9 @@ class JobSpec(_Strict):
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         for k, val in v.items():
             if not re.match(r"^[A-Za-z0-9_.\-/]{1,63}$", k):
-                raise ValueError(f"label key {k!r}: use 1-63 of letters, digits, _ . - /")
+                raise ValueError(f"label key {short_repr(k)}: use 1-63 of letters, digits, _ . - /")
             if len(val) > 256:
-                raise ValueError(f"label {k!r}: value longer than 256 characters")
+                raise ValueError(f"label {short_repr(k)}: value longer than 256 characters")
         return v
 
     @field_validator("dynamic_dims")
@@ -386,7 +387,7 @@ class JobSpec(_Strict):
     def _dim_names(cls, v: dict[str, DynamicDim]) -> dict[str, DynamicDim]:
         for k in v:
             if not _NAME.match(k):
-                raise ValueError(f"dynamic dim name {k!r} must be an identifier")
+                raise ValueError(f"dynamic dim name {short_repr(k)} must be an identifier")
         return v
 
     @model_validator(mode="after")
@@ -403,7 +404,7 @@ class JobSpec(_Strict):
                     used.add(d)
                     if d not in self.dynamic_dims:
                         raise ValueError(
-                            f"inputs[{idx}].shape[{d_i}] names dynamic dim {d!r}, which has no range; "
+                            f"inputs[{idx}].shape[{d_i}] names dynamic dim {short_repr(d)}, which has no range; "
                             f"add dynamic_dims: {{{d}: {{min: 1, opt: 8, max: 64}}}}"
                         )
                     elements *= self.dynamic_dims[d].max
@@ -486,7 +487,7 @@ def _plain(err: Mapping[str, Any]) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     if kind == "literal_error":
-        msg = f"{msg} (got {err.get('input')!r})"
+        msg = f"{msg} (got {short_repr(err.get('input'))})"
     return msg
 
 
@@ -530,19 +531,55 @@ def parse_spec(data: dict[str, Any] | None) -> JobSpec:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
         violations = []
+        hinted: set[tuple[Any, ...]] = set()  # the valid keys are listed once per mapping
         for err in exc.errors():
             path = _loc(tuple(err["loc"]))
             msg = _plain(err)
             if err.get("type") == "extra_forbidden":
-                msg = f"unknown key {err['loc'][-1]!r}{_valid_keys_hint(JobSpec, tuple(err['loc']))}"
+                parent = tuple(err["loc"][:-1])
+                hint = "" if parent in hinted else _valid_keys_hint(JobSpec, tuple(err["loc"]))
+                hinted.add(parent)
+                msg = f"unknown key {short_repr(err['loc'][-1])}{hint}"
             violations.append((path, msg))
         raise SpecError(violations) from None
 
 
+MAX_SPEC_DEPTH = 10  # nesting of mappings and lists; a spec needs 5 (passes[i].options.swaps[j])
+
+
+class _Refused(yaml.MarkedYAMLError):  # type: ignore[misc]  # PyYAML has no type hints
+    pass
+
+
+class _SpecLoader(yaml.SafeLoader):  # type: ignore[misc]
+    """YAML's safe loader without anchors and aliases, and with nesting at most MAX_SPEC_DEPTH deep.
+
+    An alias repeats a node: nine lines of `&a [*b, *b, ...]` stand for billions of values, which
+    validation would then walk and quote (a 400-byte spec took an API to gigabytes). A spec never
+    needs one; JSON has none."""
+
+    depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            what = "an alias (*name)" if isinstance(event, yaml.AliasEvent) else "an anchor (&name)"
+            raise _Refused(problem=f"{what}: a spec may not use YAML anchors or aliases; write the values out",
+                           problem_mark=event.start_mark)
+        self.depth += 1
+        try:
+            if self.depth > MAX_SPEC_DEPTH:
+                raise _Refused(problem=f"nested more than {MAX_SPEC_DEPTH} levels deep", problem_mark=event.start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
 def load_spec_text(text: str, *, source: str = "spec") -> dict[str, Any]:
-    """Parse YAML or JSON (JSON is YAML) text into a mapping; syntax errors name the line."""
+    """Parse YAML or JSON (JSON is YAML) text into a mapping; syntax errors name the line. Anchors,
+    aliases and nesting past MAX_SPEC_DEPTH are refused (`_SpecLoader`)."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 - a SafeLoader, stricter still
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -568,7 +605,8 @@ def parse_input_flag(flag: str) -> dict[str, Any]:
     """`--input NAME:DIMS:DTYPE`, DIMS like `batch,3,224,224` → an InputSpec mapping."""
     parts = flag.split(":")
     if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
-        raise SpecError([("--input", f"{flag!r}: expected NAME:DIMS[:DTYPE], e.g. x:batch,3,224,224:float32")])
+        raise SpecError([("--input",
+                          f"{short_repr(flag)}: expected NAME:DIMS[:DTYPE], e.g. x:batch,3,224,224:float32")])
     dims: list[int | str] = [int(d) if d.strip().lstrip("-").isdigit() else d.strip() for d in parts[1].split(",")]
     out: dict[str, Any] = {"name": parts[0], "shape": dims}
     if len(parts) == 3:
@@ -582,7 +620,7 @@ def parse_range_flag(flag: str, name: str = "--dynamic-batch") -> dict[str, int]
     try:
         lo, opt, hi = (int(p) for p in parts)
     except ValueError:
-        raise SpecError([(name, f"{flag!r}: expected MIN:OPT:MAX integers, e.g. 1:8:64")]) from None
+        raise SpecError([(name, f"{short_repr(flag)}: expected MIN:OPT:MAX integers, e.g. 1:8:64")]) from None
     return {"min": lo, "opt": opt, "max": hi}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import logging
 import os
@@ -68,6 +69,45 @@ class IntegrityError(StorageError):
 
 class InvalidKey(StorageError):
     code = "invalid_key"
+
+
+class _Exactly(io.RawIOBase):
+    """The first `n` bytes of the open file `f`, as a request body: a file that shrinks while it
+    is sent (a sandboxed model rewriting its output) raises IntegrityError at once, where a plain
+    file would send fewer bytes than the request's Content-Length and leave the store waiting for
+    the rest until its read timeout (60 s: a failed job's upload once took that long)."""
+
+    def __init__(self, f: IO[bytes], n: int, path: Path) -> None:
+        super().__init__()
+        self.f, self.n, self.path, self.pos = f, n, path, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.n}[whence]
+        self.pos = max(0, min(self.n, base + offset))
+        self.f.seek(self.pos)
+        return self.pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        want = self.n - self.pos if size is None or size < 0 else min(size, self.n - self.pos)
+        data = self.f.read(want) if want else b""
+        if len(data) < want:
+            raise IntegrityError(f"{self.path} changed while it was being stored")
+        self.pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
 
 def _check(pattern: re.Pattern[str], value: str, what: str) -> str:
@@ -461,9 +501,10 @@ class S3Store(ArtifactStore):
         checksum = _checksum_sha256(digest)
 
         def put() -> dict[str, Any]:
-            with open(path, "rb") as body:
-                answer: dict[str, Any] = self._s3.put_object(Bucket=self.bucket, Key=self._k(key), Body=body,
-                                                             Metadata={"sha256": digest}, ChecksumSHA256=checksum)
+            with open(path, "rb") as f:
+                answer: dict[str, Any] = self._s3.put_object(
+                    Bucket=self.bucket, Key=self._k(key), Body=_Exactly(f, n, path), ContentLength=n,
+                    Metadata={"sha256": digest}, ChecksumSHA256=checksum)
                 return answer
 
         try:

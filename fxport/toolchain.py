@@ -59,12 +59,12 @@ def _version(module: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)  # the installed packages: fixed for a process's life (a worker restarts to upgrade)
 def _distributions() -> dict[str, list[str]]:
     return dict(importlib.metadata.packages_distributions())
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)  # the machine's GPU: fixed for a process's life
 def gpu_model() -> str | None:
     """The first GPU's model name (nvidia-smi), or None on a machine without one."""
     exe = shutil.which("nvidia-smi")
@@ -79,7 +79,7 @@ def gpu_model() -> str | None:
     return names[0] if names else None
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=2)  # keyed on `gpu`; the versions it reads are fixed for a process's life
 def _local_toolchain(gpu: bool) -> tuple[tuple[str, Any], ...]:
     out: Toolchain = {name: _version(name) for name in CPU_PACKAGES}
     if gpu:

@@ -71,18 +71,27 @@ def _toolchain_source(settings: Settings) -> Any:
     return None
 
 
+# The spec error's share of the response's trailing metadata, which a gRPC client refuses past 8 KiB
+# ("received metadata size exceeds soft limit"): the message goes there twice (grpc-message and the
+# Status in grpc-status-details-bin, base64) beside the field violations.
+MAX_SPEC_ERROR_CHARS = 1200
+
+
 def abort_invalid_spec(context: grpc.ServicerContext, err: SpecError) -> NoReturn:
     """INVALID_ARGUMENT with google.rpc.BadRequest field violations in the trailing metadata;
-    the message lists the same violations for clients that don't read the details."""
+    the message lists the same violations for clients that don't read the details. Both are
+    bounded (MAX_SPEC_ERROR_CHARS), whatever the spec: the rest is counted, not listed."""
     from google.rpc import code_pb2, error_details_pb2, status_pb2
     from grpc_status import rpc_status
 
+    listed = len(err.lines(MAX_SPEC_ERROR_CHARS))
     bad = error_details_pb2.BadRequest(
         field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=f, description=m) for f, m in err.violations
+            error_details_pb2.BadRequest.FieldViolation(field=f, description=m[: SpecError.MAX_LINE])
+            for f, m in err.violations[:listed]
         ]
     )
-    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(err))
+    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=err.text(MAX_SPEC_ERROR_CHARS))
     status.details.add().Pack(bad)
     context.abort_with_status(rpc_status.to_status(status))
     raise AssertionError("unreachable")
@@ -321,10 +330,29 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         if _cache_allowed(header) and header.model.sha256:
             found = self._cache_lookup(tenant, header.model.sha256, calib_sha, spec, prove=True,
                                        before_submit=before_submit)
+            if found.hit and not self._holds_inputs(tenant, found):
+                return spec, None, False  # another tenant's result: looked up again once the bytes are hashed
             if found.hit:
                 return spec, self._answer_from_cache(tenant, spec, header, found, key, context), True
             return spec, None, True  # looked up and missed: not again after the upload
         return spec, None, False
+
+    def _holds_inputs(self, tenant: str, found: Lookup) -> bool:
+        """Whether `tenant` may be answered from `found` before it sends a byte: the entry is its
+        own tenant's, or the tenant's own copies of the inputs are in the store (each was checked
+        against its sha256 when it came). A digest alone is no proof of holding a model: with
+        FXPORT_CACHE_SHARE_ACROSS_TENANTS a tenant that sent only another tenant's model sha256
+        got that tenant's artifacts. Such a submit is answered from the cache after its upload,
+        from the digest of the bytes it sent."""
+        entry = found.entry
+        if entry is None or entry.tenant == tenant:
+            return True
+        digests = [entry.model_sha256, *([entry.calibration_sha256] if entry.calibration_sha256 else [])]
+        try:
+            return all(self.artifacts.exists(input_key(tenant, sha)) for sha in digests)
+        except StorageError as exc:  # a store hiccup costs the early answer, not the submit
+            log.warning("could not look for the tenant's inputs: %s", exc)
+            return False
 
     def SubmitJob(self, request_iterator: Iterable[pb.SubmitJobRequest], context: grpc.ServicerContext) -> pb.Job:
         tenant = self.tenant_of(context)
@@ -419,8 +447,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         if request.model_sha256 and not request.no_cache and not looked_up:
             spec = self._spec_or_abort(request.spec, context)
             # The cheap half of the proof (sizes and recorded digests): SubmitJob does the rest.
-            out.cache_hit = self._cache_lookup(tenant, request.model_sha256, request.calibration_sha256 or None, spec,
-                                               prove=False).hit
+            found = self._cache_lookup(tenant, request.model_sha256, request.calibration_sha256 or None, spec,
+                                       prove=False)
+            out.cache_hit = found.hit and self._holds_inputs(tenant, found)
         if out.cache_hit:  # no bytes needed: whether the store holds the inputs is not asked (a round trip each)
             return out
         for kind in kinds:

@@ -90,3 +90,34 @@ def test_spec_model_has_every_documented_section() -> None:
     for key in ("inputs", "dynamic_dims", "targets", "capture", "passes", "precision", "quantization", "onnx",
                 "tensorrt", "verify", "labels"):
         assert key in JobSpec.model_fields
+
+
+# -- specs that cost more than their size (issue 40) ---------------------------------------------
+
+
+def test_yaml_anchors_and_aliases_are_refused_naming_the_line() -> None:
+    from tests.security.test_bad_input import alias_bomb
+
+    with pytest.raises(SpecError) as info:
+        load_spec_text(alias_bomb())
+    assert "line 2, column 5" in str(info.value) and "anchors or aliases" in str(info.value)
+    with pytest.raises(SpecError) as info:  # a merge key needs an alias: refused too
+        load_spec_text("verify: {atol: 1e-3}\nbenchmark:\n  <<: *v\n")
+    assert "line 3" in str(info.value)
+
+
+def test_nesting_is_bounded_and_a_real_spec_fits() -> None:
+    from fxport.spec import MAX_SPEC_DEPTH
+
+    deep = "passes:\n  - name: substitute_ops\n    options: {swaps: [[[[[[[[[[x]]]]]]]]]]}\n"
+    with pytest.raises(SpecError) as info:
+        load_spec_text(deep)
+    assert f"nested more than {MAX_SPEC_DEPTH} levels deep" in str(info.value)
+    fine = load_spec_text("passes:\n  - name: substitute_ops\n    options: {swaps: [gelu_to_tanh_gelu]}\n")
+    assert fine["passes"][0]["options"]["swaps"] == ["gelu_to_tanh_gelu"]
+
+
+def test_a_long_value_is_quoted_short() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({"targets": ["t" * 100_000]})
+    assert len(str(info.value)) < 1000 and "…" in str(info.value)

@@ -256,3 +256,23 @@ def test_only_connection_failures_and_5xx_are_retried():
     except S3UploadFailedError as wrapped:
         assert _transient(wrapped)
     assert not _transient(ValueError("bad argument"))
+
+
+def test_a_request_body_that_shrinks_while_sent_fails_at_once(tmp_path) -> None:  # noqa: ANN001
+    """S3Store.put_snapshot's body: a file rewritten shorter while it is sent (a sandboxed model
+    rewriting its output during an early upload) raised nothing, sent fewer bytes than the
+    request's Content-Length, and the store waited 60 s for the rest."""
+    from fxport.storage import IntegrityError, _Exactly
+
+    path = tmp_path / "model.onnx"
+    path.write_bytes(b"x" * (256 << 10))
+    with path.open("rb") as f:
+        body = _Exactly(f, 256 << 10, path)
+        assert body.read(64 << 10) == b"x" * (64 << 10)
+        path.write_bytes(b"TAMPERED")  # truncated beneath the open file, past what was buffered
+        with pytest.raises(IntegrityError, match="changed while it was being stored"):
+            body.read(192 << 10)
+    with path.open("rb") as f:
+        body = _Exactly(f, 8, path)
+        assert body.read() == b"TAMPERED" and body.read() == b""
+        assert body.seek(2) == 2 and body.read(3) == b"MPE" and body.tell() == 5

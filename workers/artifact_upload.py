@@ -22,6 +22,7 @@ and early objects of files that are gone are deleted.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -36,15 +37,19 @@ log = logging.getLogger(__name__)
 
 # Written after verification (by the child or by the worker): never worth an early upload.
 LATE_FILES = ("manifest.json", "report.html")
+SPARSE_CHECK_BYTES = 1 << 20  # files past this size that are mostly holes are not sent early
 
 
 class EarlyUpload:
     """`offer()` whenever more artifacts may be final; `wait()` → {name: StoredObject} of what went up."""
 
     def __init__(self, artifacts: Any, tenant: str, job_id: str, out_dir: Path, spool_dir: Path,
-                 on_stored: Callable[[str, StoredObject], None] | None = None) -> None:
-        """`on_stored(name, stored)` is called (from the upload thread) after each file went up."""
+                 on_stored: Callable[[str, StoredObject], None] | None = None, max_bytes: int | None = None) -> None:
+        """`on_stored(name, stored)` is called (from the upload thread) after each file went up.
+        `max_bytes`: the most it sends for the job (FXPORT_MAX_JOB_OUTPUT_BYTES); past it, and for
+        a sparse file (not one a conversion writes), it leaves the file to the upload after."""
         self.artifacts, self.tenant, self.job_id = artifacts, tenant, job_id
+        self.max_bytes, self.sent_bytes = max_bytes, 0
         self.on_stored = on_stored
         self.out_dir, self.spool_dir = out_dir, spool_dir
         self.uploaded: dict[str, StoredObject] = {}
@@ -101,6 +106,11 @@ class EarlyUpload:
         name = f.name
         if name in LATE_FILES or self._seen.get(name) == (f.size, f.mtime_ns):
             return
+        if self.max_bytes is not None and self.sent_bytes + f.size > self.max_bytes:
+            return
+        if f.size > SPARSE_CHECK_BYTES and os.fstat(f.fd).st_blocks * 512 < f.size // 2:
+            return  # mostly holes: a size to cost the store, not an artifact
+        self.sent_bytes += f.size
         try:
             key = artifact_key(self.tenant, self.job_id, check_artifact_name(name))
             self.uploaded[name] = self.artifacts.put_snapshot(key, f.path, spool_dir=self.spool_dir)

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from fxport.cache import Remembered, forget_job_result, remember_job_result
 from fxport.config import Settings
-from fxport.errors import FxportError, InvalidInput, JobCancelled
+from fxport.errors import FxportError, InvalidInput, JobCancelled, ResourceLimitExceeded
 from fxport.jobs import ArtifactRecord, InputRef, JobErrorInfo, JobRecord, JobState, JobStore
 from fxport.logs import job_context
 from fxport.manifest import Manifest
@@ -45,7 +45,7 @@ from fxport.storage import (
     job_prefix,
 )
 from fxport.toolchain import local_toolchain
-from fxport.workers.artifact_upload import EarlyUpload
+from fxport.workers.artifact_upload import LATE_FILES, EarlyUpload
 from fxport.workers.engine.request import EngineRequest, TimingCachePaths, cpu_stage
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,8 @@ def upload_outputs(
     ctx: WorkerContext, rec: JobRecord, out_dir: Path, manifest: dict[str, Any] | None,
     only: tuple[str, ...] | None = None, early: dict[str, StoredObject] | None = None,
 ) -> list[ArtifactRecord]:
-    """Upload every regular file under out_dir (name = relative path), or the names in `only`.
+    """Upload what `manifest` lists (its artifacts, plus manifest.json and report.html, which the
+    worker wrote), or the names in `only`; nothing else the child left in out_dir is read.
 
     The sandbox wrote out_dir: each file is opened beneath it without following links, and
     hashed and uploaded from that open file (workers/sandbox/beneath.py); a link, FIFO or hard
@@ -122,23 +123,26 @@ def upload_outputs(
     the file's digest now."""
     from fxport.digest import sha256_file
     from fxport.workers.sandbox import beneath
-    from fxport.workers.sandbox.run import MAX_OUTPUT_FILES
 
     formats = {a.get("path"): a.get("format") for a in (manifest or {}).get("artifacts", []) if a.get("path")}
     validated = ({a.get("path"): a.get("sha256") for a in (manifest or {}).get("artifacts", [])}
                  if ctx.engine is None else {})
     early = dict(early or {})
+    if only is None:
+        only = (*formats, *LATE_FILES)
     with beneath.opened_dir(out_dir) as out_fd:
-        if only is None:
-            files = list(beneath.walk_files(out_fd, strict=True, max_files=MAX_OUTPUT_FILES))
-        else:
-            files = []
-            for name in only:
+        files = []
+        try:
+            for name in dict.fromkeys(only):
                 try:
                     files.append(beneath.open_file(out_fd, name))
                 except FileNotFoundError:
                     continue
-        try:
+            total = sum(f.size for f in files)  # fstat'ed as opened, before a byte is read
+            if total > ctx.settings.max_job_output_bytes:
+                raise ResourceLimitExceeded(
+                    f"the job's outputs come to {total} bytes; the bound is {ctx.settings.max_job_output_bytes} "
+                    "(FXPORT_MAX_JOB_OUTPUT_BYTES)", stage="upload")
             todo = [(f.name, artifact_key(rec.tenant, rec.id, check_artifact_name(f.name)), f, early.pop(f.name, None))
                     for f in files]
 
@@ -298,7 +302,8 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
         out_dir = tmp / "out"
         out_dir.mkdir()
         progress.early = early = EarlyUpload(ctx.artifacts, rec.tenant, rec.id, out_dir, tmp / "spool",
-                                             on_stored=lambda name, stored: _announce_staged(ctx, job_id, name, stored))
+                                             on_stored=lambda name, stored: _announce_staged(ctx, job_id, name, stored),
+                                             max_bytes=ctx.settings.max_job_output_bytes)
         try:
             if rec.attempts > 1:  # redelivered: what an earlier attempt stored goes first
                 ctx.artifacts.delete_prefix(job_prefix(rec.tenant, rec.id))
@@ -306,7 +311,8 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
             request = EngineRequest(
                 model_path=model_path, spec=spec, out_dir=out_dir, job_id=job_id, calibration_path=calibration_path,
                 deferred_targets=deferred, input_sha256=rec.model.sha256,  # `get` just checked the bytes against it
-                timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s))
+                timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s),
+                max_output_bytes=ctx.settings.max_job_output_bytes)
             manifest = ctx.run_engine(
                 request, on_progress=progress, cancel_event=cancel.event,
                 work_parent=tmp,  # the sandbox's folder beside this job's own, apart from every other job's
@@ -538,6 +544,7 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
             request = EngineRequest(
                 model_path=onnx_path, spec=spec, out_dir=out_dir, job_id=job_id,
                 timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s),
+                max_output_bytes=ctx.settings.max_job_output_bytes,
                 timing_cache=TimingCachePaths(read=cache.path, write=cache.path) if cache is not None else None)
             trt_manifest = ctx.run_engine(request, on_progress=on_progress, work_parent=tmp)
             stage = Manifest.model_validate(trt_manifest)

@@ -46,6 +46,63 @@ UNTRACEABLE = textwrap.dedent('''
 ''')
 
 
+# torchvision's detection models in miniature: per image, scores → threshold → top-k → greedy NMS
+# (a Python loop) → a data-dependent number of boxes, as List[Dict[str, Tensor]]. symbolic_trace
+# fails on the loop over the batch, torch.export on the branch on the number of detections.
+DETECTOR = textwrap.dedent('''
+    """A detector in the image of torchvision's."""
+    from typing import Dict, List
+
+    import torch
+    from torch import nn
+
+
+    def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        top_left = torch.max(a[:, None, :2], b[None, :, :2])
+        bottom_right = torch.min(a[:, None, 2:], b[None, :, 2:])
+        inter = (bottom_right - top_left).clamp(min=0).prod(-1)
+        area_a = (a[:, 2:] - a[:, :2]).prod(-1)
+        area_b = (b[:, 2:] - b[:, :2]).prod(-1)
+        return inter / (area_a[:, None] + area_b[None, :] - inter)
+
+
+    class Model(nn.Module):
+        def __init__(self, anchors: int = 48, classes: int = 3):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, 2, 1), nn.ReLU(),
+                                          nn.AdaptiveAvgPool2d(2), nn.Flatten())
+            self.cls = nn.Linear(32, anchors * classes)
+            self.reg = nn.Linear(32, anchors * 4)
+            self.anchors, self.classes = anchors, classes
+            self.score_thresh, self.iou_thresh, self.top_k = 0.55, 0.3, 16
+
+        def forward(self, images: torch.Tensor) -> List[Dict[str, torch.Tensor]]:
+            feats = self.backbone(images)
+            results: List[Dict[str, torch.Tensor]] = []
+            for i in range(feats.shape[0]):  # symbolic_trace: a Proxy is no int
+                results.append(self.detect(feats[i]))
+            return results
+
+        def detect(self, feat: torch.Tensor) -> Dict[str, torch.Tensor]:
+            scores = torch.sigmoid(self.cls(feat)).reshape(self.anchors, self.classes).flatten()
+            raw = self.reg(feat).reshape(self.anchors, 4) * 20.0 + 40.0
+            boxes = torch.cat([torch.min(raw[:, :2], raw[:, 2:]), torch.max(raw[:, :2], raw[:, 2:]) + 4.0], 1)
+            scores = torch.where(scores > self.score_thresh, scores, torch.zeros_like(scores))
+            top_scores, top = scores.topk(self.top_k)
+            cand_boxes, cand_labels = boxes[top // self.classes], top % self.classes
+            keep = top_scores > 0
+            iou = box_iou(cand_boxes, cand_boxes)
+            same = cand_labels[:, None] == cand_labels[None, :]
+            later = torch.arange(self.top_k)
+            for i in range(self.top_k):  # greedy NMS: each kept box suppresses the later ones it overlaps
+                keep = keep & ~((iou[i] > self.iou_thresh) & same[i] & keep[i] & (later > i))
+            idx = torch.nonzero(keep).flatten()  # a data-dependent number of detections
+            if idx.numel() == 0:  # torch.export cannot guard on a data-dependent count
+                idx = torch.zeros(0, dtype=torch.long)
+            return {"boxes": cand_boxes[idx], "scores": top_scores[idx], "labels": cand_labels[idx]}
+''')
+
+
 def package_model(source: str, name: str, folder: Path) -> Path:
     """folder/NAME.pkg: an eval() instance of `Model` from `source`, its code interned as module NAME."""
     import torch

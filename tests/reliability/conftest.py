@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -90,14 +91,21 @@ class FaultStack:
     def address(self) -> str:
         return self.api.address
 
-    def start_worker(self, name: str, env: dict[str, str] | None = None, concurrency: int = 1) -> ManagedProcess:
+    def start_worker(self, name: str, env: dict[str, str] | None = None, concurrency: int = 1, *,
+                     sandbox_ready: bool = False) -> ManagedProcess:
         """Start worker `name`, stopping first a process of that name still running (a test cut
-        short before its worker exited must not leave it untracked)."""
+        short before its worker exited must not leave it untracked). `sandbox_ready`: return only
+        once its warm sandbox is up (`wait_sandbox_ready`), so that what a test times next is
+        the job, not the sandbox's start."""
         old = self.workers.get(name)
         if old is not None and old.alive():
             old.stop()
+        log = self.base / f"{name}.log"
+        offset = log.stat().st_size if log.exists() else 0  # a restarted worker appends to its log
         self.workers[name] = start_worker(self.base, {**self.env, **(env or {})}, "cpu", concurrency=concurrency,
                                           name=name)
+        if sandbox_ready:
+            wait_sandbox_ready(self.workers[name], offset)
         return self.workers[name]
 
     def kill_worker(self, name: str) -> None:
@@ -167,6 +175,8 @@ def fault_stack(tmp_path_factory):
         stack = FaultStack(redis, s3, start_api(base, env), env, base)
         stack.start_worker("w1")
         stack.start_worker("w2")
+        for worker in stack.workers.values():  # the sandbox start every later one is measured by
+            wait_sandbox_ready(worker, 0)
         yield stack
     finally:
         if stack is not None:
@@ -178,6 +188,37 @@ def fault_stack(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# How long the stack's first workers took to start their warm sandboxes (the zygote imports the ML
+# stack and runs a whole conversion to warm its caches), and the machine's pace then: what a
+# restarted worker's wait is bounded by.
+_SANDBOX_START: list[tuple[float, float]] = []  # (seconds, slowdown() when measured)
+_SANDBOX_READY = re.compile(r"warm sandbox ready in ([0-9.]+) s")
+
+
+def wait_sandbox_ready(worker: ManagedProcess, offset: int) -> float:
+    """Wait until `worker` logs (past `offset` in its log) that its warm sandbox is ready, and
+    return how long the sandbox said its start took. The bound is MARGIN times the slowest start
+    measured at the session's start, stretched again if the machine got busier since (as
+    `deadline` does); before any was measured (the stack's own first workers, which this
+    measures), a generous scaled bound."""
+    def ready() -> float | None:
+        with worker.log.open("rb") as f:
+            f.seek(offset)
+            found = _SANDBOX_READY.search(f.read().decode("utf-8", "replace"))
+        return float(found.group(1)) if found else None
+
+    if _SANDBOX_START:
+        took, pace = max(_SANDBOX_START)
+        bound = MARGIN * max(1.0, slowdown() / pace) * took
+        what = f"the warm sandbox of {worker.name} (measured start: {took:.1f} s)"
+    else:
+        bound, what = scaled(180), f"the warm sandbox of {worker.name}"
+    started = wait_until(ready, bound, what, every=0.1)
+    if len(_SANDBOX_START) < 2:  # the stack's first two workers
+        _SANDBOX_START.append((max(started, 0.01), slowdown()))
+    return started
 
 
 @pytest.fixture(scope="session")

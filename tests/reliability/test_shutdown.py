@@ -94,7 +94,8 @@ def _sigterm_w2_mid_job(stack, queue_control, tiny_pt2, frozen_for_s: float, sof
     """w2, restarted with a soft shutdown of `soft_s`, gets a job and SIGTERM while the job's
     sandbox is frozen for `frozen_for_s`."""
     stack.stop_worker("w2")
-    stack.start_worker("w2", {"FXPORT_WORKER_SOFT_SHUTDOWN_S": str(soft_s)})
+    # a job waits for the restarted worker's sandbox to start: wait for it here, by its measured start
+    stack.start_worker("w2", {"FXPORT_WORKER_SOFT_SHUTDOWN_S": str(soft_s)}, sandbox_ready=True)
     queue_control.pause("w1")
     with stack.client() as client:  # frozen once its zygote has started: what is left is the job
         job, frozen = submit_frozen(stack, lambda: client.submit(tiny_pt2, SPEC))

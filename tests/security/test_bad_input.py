@@ -136,7 +136,42 @@ SUBMIT_CASES: list[tuple[str, Callable[[], list], grpc.StatusCode, str, str | No
      lambda: spec_case(json.dumps({"inputs": [{"name": "x", "shape": ["batch", 4]}],
                                    "dynamic_dims": {"batch": {"min": 1, "opt": 8, "max": 1 << 30}}})),
      grpc.StatusCode.INVALID_ARGUMENT, "less than or equal to 65536", "dynamic_dims.batch.max"),
+    # -- specs that cost the API more than their size (issue 40) -----------------------------------
+    ("spec-yaml-alias-bomb", lambda: spec_case(alias_bomb()), grpc.StatusCode.INVALID_ARGUMENT,
+     "may not use YAML anchors or aliases", "spec"),
+    ("spec-nested-too-deep", lambda: spec_case("labels: " + "[" * 40 + "]" * 40), grpc.StatusCode.INVALID_ARGUMENT,
+     "nested more than 10 levels deep", "spec"),
+    ("spec-thousand-unknown-keys", lambda: spec_case(json.dumps({f"key{i}": i for i in range(1000)})),
+     grpc.StatusCode.INVALID_ARGUMENT, "more violation(s): fix these first", "key0"),
 ]
+
+
+def alias_bomb(levels: int = 8) -> str:
+    """A YAML spec of ~400 bytes whose aliases stand for 9**(levels + 1) strings under `targets`,
+    which validation walks and quotes: what took an API to gigabytes of memory and a minute of CPU."""
+    text = 'targets:\n  - &a [' + ",".join(['"xxxxxxxx"'] * 9) + "]\n"
+    for name, prev in zip("bcdefghi"[:levels], "abcdefgh"):
+        text += f"  - &{name} [*{prev},*{prev},*{prev},*{prev},*{prev},*{prev},*{prev},*{prev},*{prev}]\n"
+    return text
+
+
+def _rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_an_alias_bomb_costs_the_api_nothing(stub, secure_stack):
+    """The spec is refused when read, before anything expands it: the API's memory stays as it
+    was (its other tenants' calls never stall behind it)."""
+    pid = secure_stack.api.process.pid
+    before = _rss_mib(pid)
+    for _ in range(3):
+        err = call_submit(stub, secure_stack.metadata("alice"), spec_case(alias_bomb()))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "anchors or aliases" in err.details()
+        assert len(err.details()) < 2000, len(err.details())
+    assert _rss_mib(pid) - before < 100, f"the API's RSS went from {before:.0f} to {_rss_mib(pid):.0f} MiB"
 
 
 def call_submit(stub, metadata, requests: list) -> grpc.RpcError:
@@ -160,6 +195,7 @@ def test_submit_refuses(stub, secure_stack, requests, code, text, field):
     err = call_submit(stub, secure_stack.metadata("alice"), requests())
     assert err.code() == code, err.details()
     assert text in err.details()
+    assert len(err.details()) < 2000  # the trailing metadata a client accepts is 8 KiB in all
     if field is not None:
         fields = violations(err)
         assert fields and fields[0][0] == field, fields

@@ -3,13 +3,17 @@ loader's decompression-bomb guard (workers/engine/load.py): fast, no service nee
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -17,16 +21,19 @@ import pytest
 
 from fxport.errors import UnsupportedModelFormat
 from fxport.workers.engine.load import detect_format
-from fxport.workers.sandbox.confine import landlock_abi, seccomp_program
+from fxport.workers.sandbox.confine import MAX_JOB_TASKS, landlock_abi, release_tasks_bound, seccomp_program
 from tests.security.hostile import zip_bomb
 
 PROBE = r"""
-import ctypes, json, os, socket, sys, threading
-from fxport.workers.sandbox.confine import apply_limits, confine
+import ctypes, json, os, resource, socket, subprocess, sys, threading
+from fxport.workers.sandbox.confine import apply_limits, bound_tasks, confine
 inside, granted, outside, denied, port, unix_path, gpu = sys.argv[1:8]
+# another process of the same uid, as every other job's child, the zygote and the worker are
+neighbour = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 isolated = apply_limits(1 << 33, 60, True)
-info = confine([inside], [granted], gpu=gpu == "gpu")
-out = {"info": info, "isolated": isolated}
+tasks_bounded = bound_tasks()
+info = {**confine([inside], [granted], gpu=gpu == "gpu"), "tasks_bounded": tasks_bounded}
+out = {"info": info, "isolated": isolated, "neighbour": neighbour.pid, "pid": os.getpid()}
 libc = ctypes.CDLL(None, use_errno=True)
 def attempt(name, fn):
     try:
@@ -78,10 +85,47 @@ def thread():
     t.start()
     t.join()
 attempt("thread", thread)
+# the calls the kernel allows between processes of one uid: on the caller only
+other, me = neighbour.pid, os.getpid()
+attempt("prlimit_other", lambda: resource.prlimit(other, resource.RLIMIT_NOFILE, (512, 512)))
+attempt("prlimit_other_read", lambda: resource.prlimit(other, resource.RLIMIT_NOFILE))
+attempt("prlimit_self", lambda: resource.prlimit(0, resource.RLIMIT_CORE, (0, 0)))
+attempt("prlimit_own_pid", lambda: resource.prlimit(me, resource.RLIMIT_CORE, (0, 0)))
+attempt("setrlimit_self", lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))
+attempt("renice_other", lambda: os.setpriority(os.PRIO_PROCESS, other, 19))
+attempt("renice_user", lambda: os.setpriority(os.PRIO_USER, os.getuid(), 19))
+attempt("renice_self", lambda: os.setpriority(os.PRIO_PROCESS, 0, 1))
+attempt("affinity_other", lambda: os.sched_setaffinity(other, {0}))
+attempt("affinity_self", lambda: os.sched_setaffinity(0, os.sched_getaffinity(0)))
+attempt("scheduler_other", lambda: os.sched_setscheduler(other, os.SCHED_BATCH, os.sched_param(0)))
+attempt("sched_param_other", lambda: os.sched_setparam(other, os.sched_param(0)))
+attempt("sched_attr_other", lambda: syscall(314, other, ctypes.create_string_buffer(56), 0))
+attempt("ioprio_other", lambda: syscall(251, 1, other, (3 << 13)))  # IOPRIO_WHO_PROCESS, class idle
+attempt("ioprio_self", lambda: syscall(251, 1, 0, (2 << 13) | 4))  # best effort, its default level
+attempt("inotify", lambda: syscall(294, 0))
+attempt("fanotify", lambda: syscall(300, 0, 0))
+attempt("cgroup_tree", lambda: os.listdir("/sys/fs/cgroup"))
+# threads: bounded per job, whatever else the uid runs (small stacks: the bound, not memory, stops it)
+threading.stack_size(256 << 10)
+held, release = [], threading.Event()
+try:
+    while len(held) < 3000:
+        held.append(threading.Thread(target=release.wait))
+        held[-1].start()
+except RuntimeError as exc:
+    held.pop()
+    out["threads_error"] = str(exc)
+out["threads_held"] = len(held)
+release.set()
+for t in held:
+    t.join()
 print(json.dumps(out))
 """
 
-MODES = {"full capabilities": [], "no CAP_SYS_ADMIN": ["setpriv", "--bounding-set", "-sys_admin", "--"]}
+UNPRIVILEGED_UID = 10001  # a pod's securityContext.runAsUser, with no capabilities
+MODES = {"full capabilities": [], "no CAP_SYS_ADMIN": ["setpriv", "--bounding-set", "-sys_admin", "--"],
+         f"uid {UNPRIVILEGED_UID}": ["setpriv", f"--reuid={UNPRIVILEGED_UID}", f"--regid={UNPRIVILEGED_UID}",
+                                     "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--"]}
 # What a CPU job's child may do; a GPU job's (a TensorRT build) differs only as GPU_DIFFERS says.
 CPU_EXPECTED = {
     "write_inside": "allowed", "read_granted": "allowed", "read_own_status": "allowed", "devnull": "allowed",
@@ -92,6 +136,12 @@ CPU_EXPECTED = {
     "tcp": errno.EPERM, "udp": errno.EPERM, "unix": errno.EPERM, "netlink": errno.EPERM, "packet": errno.EPERM,
     "socketpair": errno.EPERM, "unix_sendto": errno.EPERM, "unix_sendmsg": errno.EPERM, "abstract_bind": errno.EPERM,
     "io_uring": errno.EPERM, "ptrace": errno.EPERM, "signal_parent": errno.EPERM, "fork": errno.EAGAIN,
+    "prlimit_other": errno.EPERM, "prlimit_other_read": errno.EPERM, "prlimit_self": "allowed",
+    "prlimit_own_pid": "allowed", "setrlimit_self": "allowed", "renice_other": errno.EPERM,
+    "renice_user": errno.EPERM, "renice_self": "allowed", "affinity_other": errno.EPERM, "affinity_self": "allowed",
+    "scheduler_other": errno.EPERM, "sched_param_other": errno.EPERM, "sched_attr_other": errno.EPERM,
+    "ioprio_other": errno.EPERM, "ioprio_self": "allowed", "inotify": errno.EPERM, "fanotify": errno.EPERM,
+    "cgroup_tree": errno.EACCES,
 }
 # CUDA does not start without these (error 304 on an H200; bench/gpu_check.py): AF_UNIX sockets of
 # its own, bound (an abstract name), and its threads' names. Connecting or sending to any other
@@ -104,16 +154,26 @@ GPU_DIFFERS = {"socketpair": "allowed", "abstract_bind": "allowed", "name_own_th
 @pytest.mark.parametrize("job", ["cpu", "gpu"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_layer_holds_with_and_without_cap_sys_admin(tmp_path: Path, mode: str, job: str):
-    """The child's layers on their own, as a worker with all capabilities and as a Kubernetes
-    pod's (no CAP_SYS_ADMIN: no network namespace): no socket of any family, no io_uring, no
-    process, no read or write outside what it was given, nothing of its parent. A GPU job's
-    child (a TensorRT build) may make AF_UNIX sockets of its own but reach no other socket."""
+    """The child's layers on their own, as a worker with all capabilities, as a Kubernetes pod's
+    (no CAP_SYS_ADMIN: no network namespace) and as an unprivileged uid with no capabilities: no
+    socket of any family, no io_uring, no process, no read or write outside what it was given,
+    nothing of its parent, and nothing of another process of its uid (its limits, priority, CPUs,
+    scheduling and I/O class stay its own). A GPU job's child (a TensorRT build) may make AF_UNIX
+    sockets of its own but reach no other socket."""
     if MODES[mode] and shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
+    if mode.startswith("uid") and os.geteuid() != 0:
+        pytest.skip("changing to another uid needs root")
+    if mode.startswith("uid"):  # pytest's temp folders are its user's alone
+        tmp_path = Path(tempfile.mkdtemp(prefix="fxport-confine-"))
+        tmp_path.chmod(0o777)
     inside, granted, denied = tmp_path / "inside", tmp_path / "granted.txt", tmp_path / "denied.txt"
     inside.mkdir()
     granted.write_text("yours")
     denied.write_text("not yours")
+    if mode.startswith("uid"):
+        for path in (inside, granted, denied):
+            os.chown(path, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
     outside = tmp_path / "outside-marker"
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -135,9 +195,18 @@ def test_every_layer_holds_with_and_without_cap_sys_admin(tmp_path: Path, mode: 
         listener.close()
         unix.close()
         dgram.close()
+        if mode.startswith("uid"):
+            shutil.rmtree(tmp_path, ignore_errors=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     info, isolated = out.pop("info"), out.pop("isolated")
+    neighbour = out.pop("neighbour")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(neighbour, signal.SIGKILL)
+    release_tasks_bound(out.pop("pid"))
+    held, error = out.pop("threads_held"), out.pop("threads_error", None)
+    assert 500 < held < MAX_JOB_TASKS and error and "can't start new thread" in error, (held, error)
+    assert info["tasks_bounded"] == ("rlimit_nproc" if mode.startswith("uid") else "pids_cgroup"), info
     assert isolated is (not MODES[mode])  # a network namespace only with CAP_SYS_ADMIN
     for layer in ("no_new_processes", "sockets_blocked", "filesystem_reads_confined", "filesystem_writes_confined",
                   "tcp_blocked", "signals_scoped", "capabilities_dropped"):
@@ -175,7 +244,7 @@ def test_seccomp_program_shape():
     for machine in ("x86_64", "aarch64"):
         for unix_sockets in (False, True):
             prog = seccomp_program(machine, unix_sockets=unix_sockets)
-            assert len(prog) % 8 == 0 and 30 < len(prog) // 8 < 70
+            assert len(prog) % 8 == 0 and 30 < len(prog) // 8 < 100
     with pytest.raises(KeyError):
         seccomp_program("sparc")
 

@@ -40,6 +40,7 @@ pytestmark = pytest.mark.slow
 
 MODES = {"full capabilities": [], "no CAP_SYS_ADMIN": ["setpriv", "--bounding-set", "-sys_admin", "--"]}
 SECRET = f"worker-only-{uuid.uuid4().hex}"
+OUTPUT_BUDGET = 256 << 20  # FXPORT_MAX_JOB_OUTPUT_BYTES of these stacks: far above a tiny job's files
 WAIT_S = 240
 
 
@@ -130,7 +131,8 @@ def _isolation_stack(mode: str, db: int, tmp_path_factory, redis_server, s3_serv
     tokens_file.write_text("".join(token_entry(t, tok) + "\n" for t, tok in tokens.items()))
     redis_url = f"redis://127.0.0.1:{redis_server.port}/{db}"
     env = {**distributed_env(redis_server, s3_server, base, prefix=f"iso{db}"), "FXPORT_BROKER_URL": redis_url,
-           "FXPORT_TOKENS_FILE": str(tokens_file), "FXPORT_EARLY_UPLOAD": "true", **(extra_env or {})}
+           "FXPORT_TOKENS_FILE": str(tokens_file), "FXPORT_EARLY_UPLOAD": "true",
+           "FXPORT_MAX_JOB_OUTPUT_BYTES": str(OUTPUT_BUDGET), **(extra_env or {})}
     api = start_api(base, env, name=f"iso-api-{db}")
     worker = start_worker(base, env, "cpu", concurrency=1, name=f"iso-worker-{db}", prefix=MODES[mode])
     stack = IsolationStack(mode, api.address, worker, env, base, tokens, redis_url, s3_server, [api.process])
@@ -422,6 +424,98 @@ def test_the_spare_that_will_run_the_next_job_is_out_of_reach(iso: IsolationStac
     iso.bob_converts()
 
 
+# ------------------------------------------------------------------ 5b. other processes of the same uid
+
+
+def _zygote_of(iso: IsolationStack) -> int:
+    return next(pid for pid in descendants(iso.worker.pid)
+                if b"fxport.workers.sandbox.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
+def _what_a_neighbour_cannot_lose(pid: int) -> dict[str, object]:
+    """What a same-uid call could change on `pid`: its limits, nice value, CPUs and I/O class."""
+    import os
+
+    limits = Path(f"/proc/{pid}/limits").read_text()
+    nice = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    return {"limits": limits, "nice": nice, "cpus": sorted(os.sched_getaffinity(pid))}
+
+
+def test_a_job_cannot_change_another_process_of_its_uid(iso: IsolationStack):
+    """Every job's child, the zygote and the worker share one uid, and the kernel lets a process
+    change the limits, priority, CPUs and I/O class of another of its uid: a model set
+    RLIMIT_NOFILE 512 on the zygote (every later job failed) and RLIMIT_CPU 1 s on the Celery
+    master (the worker died). Now each call acts on the caller only; the zygote the model
+    attacks keeps what it had, and bob's next job converts."""
+    zygote = _zygote_of(iso)
+    before = _what_a_neighbour_cannot_lose(zygote)
+    job = run_probe(iso, "same_uid", payload(textwrap.dedent("""
+        import ctypes, resource
+        libc = ctypes.CDLL(None, use_errno=True)
+        target = os.getppid()  # the zygote, which forks every later job's child
+        report.append(f"TARGET {target}")
+        def attempt(name, call):
+            try:
+                call()
+                report.append(f"{name} DONE")
+            except OSError as exc:
+                report.append(f"{name} refused errno {exc.errno}")
+        def syscall(*args):
+            if libc.syscall(*args) < 0:
+                raise OSError(ctypes.get_errno(), "syscall")
+        attempt("prlimit", lambda: resource.prlimit(target, resource.RLIMIT_NOFILE, (512, 512)))
+        attempt("prlimit_cpu", lambda: resource.prlimit(target, resource.RLIMIT_CPU, (1, 1)))
+        attempt("renice", lambda: os.setpriority(os.PRIO_PROCESS, target, 19))
+        attempt("renice_uid", lambda: os.setpriority(os.PRIO_USER, os.getuid(), 19))
+        attempt("affinity", lambda: os.sched_setaffinity(target, {0}))
+        attempt("scheduler", lambda: os.sched_setscheduler(target, os.SCHED_IDLE, os.sched_param(0)))
+        attempt("ioprio", lambda: syscall(251, 1, target, 3 << 13))
+        attempt("inotify", lambda: syscall(294, 0))
+        attempt("cgroup_tree", lambda: os.listdir("/sys/fs/cgroup"))
+    """)))
+    text = error_text(job)
+    assert job.state == "FAILED" and f"TARGET {zygote}" in text, text
+    for name in ("prlimit", "prlimit_cpu", "renice", "renice_uid", "affinity", "scheduler", "ioprio", "inotify"):
+        assert f"{name} refused errno 1" in text, (name, text)  # EPERM
+    assert "cgroup_tree refused errno 13" in text and " DONE" not in text, text
+    assert _what_a_neighbour_cannot_lose(zygote) == before
+    iso.bob_converts()
+
+
+def test_a_job_holds_at_most_its_share_of_threads(iso: IsolationStack, tmp_path: Path):
+    """Threads (and processes) were one pool per uid: one job held 2,484 and the next tenant's
+    jobs failed with "can't start new thread". A job now gets at most 1024 of its own (a pids
+    cgroup of its own where the worker can make one, RLIMIT_NPROC from the uid's count
+    otherwise), the worker records which, and bob's next job converts."""
+    from fxport.workers.sandbox.confine import MAX_JOB_TASKS
+
+    job = run_probe(iso, "threads", payload(textwrap.dedent("""
+        import threading
+        threading.stack_size(256 << 10)  # small stacks: the bound, not the memory limit, must stop it
+        held, release = [], threading.Event()
+        try:
+            while len(held) < 5000:
+                held.append(threading.Thread(target=release.wait))
+                held[-1].start()
+        except RuntimeError as exc:
+            held.pop()
+            report.append(f"stopped by: {exc}")
+        report.append(f"HELD {len(held)}")
+        release.set()
+        for t in held:
+            t.join()
+    """)))
+    text = error_text(job)
+    held = int(text.split("HELD ", 1)[1].split()[0])
+    assert 500 < held < MAX_JOB_TASKS and "can't start new thread" in text, text
+    with iso.client("bob") as c:
+        ok = c.submit(iso.bob_model, PACKAGE_SPEC, idempotency_key=uuid.uuid4().hex).wait(timeout=WAIT_S)
+        assert ok.state == "SUCCEEDED", ok.error
+        c.job(ok.id).download(tmp_path, names=["manifest.json"])
+    assert json.loads((tmp_path / "manifest.json").read_text())["sandbox"]["tasks_bounded"] == "pids_cgroup"
+    iso.bob_converts()
+
+
 # ------------------------------------------------------------------ 6. unbounded writes into shared services
 
 
@@ -632,3 +726,66 @@ def test_a_forged_manifest_fails_the_job_naming_the_field(iso: IsolationStack, t
     assert not any(a["name"].endswith(".onnx") for a in job.artifacts), job.artifacts
     iso.bob_converts()
 
+
+
+# ------------------------------------------------------------------ 9. work a model makes the worker do
+
+
+FORGE = """
+import builtins
+names = ["fxport.workers.sandbox.child"]
+child = builtins.__import__(names[0], fromlist=["child"])
+write = child._write_result
+def forge(work, result):
+    if "manifest" in result:
+        m = result["manifest"]
+        m["quantization"] = {{"layers": [{{"node": "n" * 60, "sqnr_db": i, "cosine": 0.5}} for i in range({layers})]}}
+        nodes = [{{"node": str(i), "op": "x" * 200, "ms": i, "share": 0.1}} for i in range({layers})]
+        m["profile"] = {{"top_nodes": nodes}}
+        m["warnings"] = ["w" * 60000] * 20
+    write(work, result)
+child._write_result = forge
+"""
+
+
+def test_a_forged_manifest_within_bounds_costs_the_worker_a_bounded_report(iso: IsolationStack, tmp_path: Path):
+    """The worker draws report.html from the manifest the model could rewrite: a 1.8 MiB forged
+    one cost 96 s of a worker's CPU and a 181 MiB report. The report now draws at most 500 items
+    of a list and 2,000 characters of a string, and says what it cut; the job converts."""
+    job = run_probe(iso, "forged_big", FORGE.format(layers=9000))
+    assert job.state == "SUCCEEDED", (job.error, iso.logs())
+    with iso.client("alice") as c:
+        c.job(job.id).download(tmp_path, names=["report.html", "manifest.json"])
+    report = (tmp_path / "report.html").read_text()
+    assert len(report) < 4 << 20, len(report)
+    assert "This report draws at most 500 items" in report and "profile.top_nodes: 9000 items" in report
+    assert len(json.loads((tmp_path / "manifest.json").read_text())["quantization"]["layers"]) == 9000
+    iso.bob_converts()
+
+
+def test_a_manifest_past_its_bounds_fails_the_job_naming_the_bound(iso: IsolationStack):
+    job = run_probe(iso, "forged_huge", FORGE.format(layers=12_000))
+    assert job.state == "FAILED" and job.error["code"] == "sandbox_violation", (job.error, iso.logs())
+    assert "has 12000 items at manifest." in job.error["message"] and "the bound is 10000" in job.error["message"]
+    assert not any(a["name"].endswith(".onnx") for a in job.artifacts), job.artifacts
+    iso.bob_converts()
+
+
+def test_sparse_files_fail_the_job_while_it_runs_naming_the_bound(iso: IsolationStack):
+    """Two sparse 1 GiB files (no disk used) once cost a worker 83 s and the store 1 GiB: every
+    file in the output folder was uploaded. Now the worker watches what the child writes while it
+    runs (sizes at their full length), stops it past FXPORT_MAX_JOB_OUTPUT_BYTES, and uploads only
+    what the manifest lists."""
+    job = run_probe(iso, "sparse", payload(textwrap.dedent("""
+        import time
+        for name in ("big-1", "big-2"):
+            with open(name, "wb") as f:
+                f.truncate(1 << 30)
+        report.append("WROTE")
+        time.sleep(60)
+        report.append("NOT STOPPED")
+    """)), {**PACKAGE_SPEC, "limits": {"timeout_s": 120}})
+    assert job.state == "FAILED" and job.error["code"] == "resource_limit", (job.error, iso.logs())
+    assert "FXPORT_MAX_JOB_OUTPUT_BYTES" in job.error["message"] and "during load" in job.error["message"], job.error
+    assert not any(a["name"].startswith("big") for a in job.artifacts), job.artifacts
+    iso.bob_converts()

@@ -332,20 +332,36 @@ def test_cli_reports_cache_hit_and_skipped_upload(cache_api, first_job, tiny_pt2
 
 
 def test_cross_tenant_sharing_when_the_operator_enables_it(tmp_path, tiny_pt2):
-    """Embedded server (in-process workers, filesystem store) with sharing on: a second tenant
-    is answered from the first one's result, sending no bytes."""
+    """Embedded server (in-process workers, filesystem store) with sharing on: a second tenant is
+    answered from the first one's result once it has shown it holds the model: by sending the
+    bytes (hashed in that call), or by its own stored copy. Its digest alone is no proof: a
+    tenant that sends only another tenant's model sha256, size and spec (no bytes) gets no job,
+    and the pre-upload check tells it nothing about the other tenant's result."""
+    import grpc
+
     tokens = {t: new_token() for t in TENANTS}
     (tmp_path / "tokens").write_text("".join(token_entry(t, tok) + "\n" for t, tok in tokens.items()))
     api = start_api(tmp_path, {"FXPORT_HOME": str(tmp_path / "home"), "FXPORT_TOKENS_FILE": str(tmp_path / "tokens"),
                                "FXPORT_SANDBOX_THREADS": "1", "FXPORT_CACHE_ENABLED": "true",
                                "FXPORT_CACHE_SHARE_ACROSS_TENANTS": "true"}, name="shared-cache")
+    spec = {"targets": ["fx_source"]}
+    data = tiny_pt2.read_bytes()
     try:
         with Client(api.address, token=tokens[TENANTS[0]]) as a:
-            first = _converted(a, tiny_pt2, {"targets": ["fx_source"]})
+            first = _converted(a, tiny_pt2, spec)
         with Client(api.address, token=tokens[TENANTS[1]]) as b:
-            hit = b.submit(tiny_pt2, {"targets": ["fx_source"]})
+            # 1. The attack: another tenant's digest, size and spec, and not a byte of the model.
+            assert not _would_hit(b, tiny_pt2, spec)  # the pre-upload check does not answer from a's result
+            header = pb.SubmitHeader(spec=json.dumps(spec), model=pb.FileHeader(
+                filename="stolen.pt2", size=len(data), sha256=hashlib.sha256(data).hexdigest()))
+            with pytest.raises(grpc.RpcError) as refused:
+                b._stub.SubmitJob(iter([pb.SubmitJobRequest(header=header)]), metadata=b._metadata, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            assert b.list().jobs == [], "a hash-only submit made a job"
+            # 2. With the bytes sent (and hashed in that call), the shared result answers it.
+            hit = b.submit(tiny_pt2, spec)
             assert hit.message.cache_hit and hit.message.tenant == TENANTS[1]
-            assert hit.upload == {"sent_bytes": 0, "skipped": "cache_hit", "direct": False}
+            assert hit.upload == {"sent_bytes": len(data), "skipped": "cache_hit", "direct": False}, hit.upload
             assert {a["key"] for a in hit.artifacts} == {a["key"] for a in first.artifacts}
             assert "of job" not in hit.message.message  # another tenant's job id is not named
             hit.download(tmp_path / "out")  # the other tenant's objects, readable through this job

@@ -155,6 +155,7 @@ def convert_request(request: EngineRequest, *, on_progress: ProgressFn | None = 
         raise
     except Exception as exc:  # an engine bug: still a clean, named failure
         err = ConversionFailed(f"internal error: {type(exc).__name__}: {exc}", stage="export")
+        err.__cause__ = exc  # as `raise err from exc` below sets it: the record keeps the chain
         manifest.status, manifest.error = "failed", ErrorRecord.model_validate(err.to_dict())
         raise err from exc
     finally:

@@ -31,6 +31,9 @@ class TimingCachePaths(BaseModel):
     write: Path
 
 
+DEFAULT_MAX_OUTPUT_BYTES = 64 << 30  # fxport/config.py max_job_output_bytes
+
+
 class EngineRequest(BaseModel):
     """What to convert, how, and into where (see the module docstring)."""
 
@@ -48,6 +51,8 @@ class EngineRequest(BaseModel):
     input_sha256: str | None = None
     # the wall-clock limit the caller grants (a worker's soft time limit may be below the spec's)
     timeout_s: float | None = None
+    # the bytes the sandbox may write in all (FXPORT_MAX_JOB_OUTPUT_BYTES on a worker)
+    max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES
 
     @field_serializer("spec")
     def _spec_as_normalized(self, spec: JobSpec) -> dict[str, Any]:

@@ -20,6 +20,27 @@
   dataclasses once per node: ~6,000 `typing.get_type_hints` calls for a ResNet-18, a third of
   the load. They depend only on the class, so they are resolved once per class.
 
+What each cache depends on, and how that is checked (issue 39: a job's result never depends on
+what ran before it in the same process). Each cache is looked up with a key that holds everything
+its value is built from, read afresh at every call; a change makes a new entry, never a stale hit:
+
+- ONNX op registry. Built from: the opset; torch's and onnxscript's torchlib function lists; which
+  of those ops exist in torch (an op library adds some: the int8 stage's `quantized_decomposed`, a
+  model's custom ops). Key: the opset, `ops_known()` (every op the dispatcher knows, as a set) and
+  the sizes of both torchlib lists.
+- Decomposition table. Built from: the ONNX-implemented op set it is given; torch's decompositions
+  and default export decompositions, which follow the ops torch knows. Key: that set, `ops_known()`
+  and torch's decomposition table (each op with its function, as a set).
+- torchlib list without IR: not cached; read from onnxscript's registry at every registry build.
+- pt2 type hints. Built from: a serialized-schema dataclass and the namespace its hints resolve in.
+  Key: the class, the namespace (held, so that its id stays its own) and `include_extras`.
+
+The installed packages and torch's own build are fixed for a process's life, so no key holds
+them. The zygote builds these entries before it forks; a job that loads another op library
+gets entries of its own, built in its own child, and the zygote's stay as they were. Each cache
+keeps at most a few entries (`_Entries`), so a long-lived process that sees many op sets does not
+grow.
+
 Each replaces a private name: of the pinned torch (pyproject: torch==2.13.0), or, for the
 torchlib list, of onnxscript, whose version is not pinned. Each installer checks that its name is
 what it was written against and leaves the library alone where it is not: then only the speed is
@@ -62,24 +83,61 @@ def _install(name: str, patch: Any) -> None:
         log.info("%s cache not installed: %s: %s", name, type(exc).__name__, exc)
 
 
+def ops_known() -> frozenset[str]:
+    """Every operator torch's dispatcher knows in this process now. It grows when an op library is
+    loaded (the int8 stage's `quantized_decomposed` ops, a model's custom ops) and shrinks when one
+    is unloaded: 3,600 names, 3.7 ms to read as a set on a 2-core AMD EPYC VM."""
+    import torch
+
+    return frozenset(torch._C._dispatch_get_all_op_names())
+
+
+class _Entries(dict[Any, Any]):
+    """A cache's built values by key, at most `limit` of them (the oldest goes first)."""
+
+    def __init__(self, limit: int = 4) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: Any, value: Any) -> Any:
+        while len(self) >= self.limit:
+            del self[next(iter(self))]
+        self[key] = value
+        return value
+
+
+def _torchlib_sizes() -> tuple[int, int]:
+    """How many functions torch's and onnxscript's torchlib lists hold (each grows when a function
+    is registered in it)."""
+    from onnxscript.function_libs.torch_lib import ops, registration
+    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+    from torch.onnx._internal.exporter._torchlib import ops as torch_ops
+
+    del ops, torch_ops  # importing them registers the torchlib functions, as a registry build does
+    onnxscript_functions = sum(len(f.overloads) + len(f.complex) for f in registration.default_registry.values())
+    return len(_torchlib_registry._registry), onnxscript_functions
+
+
 class _RegistryCache:
-    """`ONNXRegistry.from_torchlib` with each opset's registry built once: every call returns a
-    new registry holding a copy of the built one's op table (its lists copied too, so a custom op
-    an export registers stays in that export's registry)."""
+    """`ONNXRegistry.from_torchlib` with each registry built once per key (the opset, the ops torch
+    knows, the torchlib lists: the module docstring's table): every call returns a new registry
+    holding a copy of the built one's op table (its lists copied too, so a custom op an export
+    registers stays in that export's registry)."""
 
     def __init__(self, build: Any) -> None:
         self.build = build  # the original classmethod's function
-        self.built: dict[Any, Any] = {}
+        self.built = _Entries()
         self.builds = 0  # how many times the torchlib registry was really built (tests read it)
 
     def __call__(self, cls: Any, opset_version: Any = None) -> Any:
         from torch.onnx._internal.exporter import _constants
 
         opset = _constants.TORCHLIB_OPSET if opset_version is None else opset_version
-        master = self.built.get((cls, opset))
+        key = (cls, opset, ops_known(), _torchlib_sizes())
+        master = self.built.get(key)
         if master is None:
             self.builds += 1
-            master = self.built[(cls, opset)] = self.build(cls, opset)
+            master = self.built.put(key, self.build(cls, opset))
         registry = cls.__new__(cls)
         registry.__dict__.update(master.__dict__)
         registry.functions = {target: list(metas) for target, metas in master.functions.items()}
@@ -92,6 +150,11 @@ def _cache_onnx_registry() -> bool:
     registry_cls = _registration.ONNXRegistry
     current = registry_cls.__dict__.get("from_torchlib")
     if not isinstance(current, classmethod) or not hasattr(registry_cls(), "functions"):
+        return False
+    try:  # what the key is read from (the module docstring's table)
+        ops_known()
+        _torchlib_sizes()
+    except (AttributeError, ImportError):
         return False
     patched: Any = registry_cls  # a private name of torch's, replaced
     patched.from_torchlib = classmethod(_RegistryCache(current.__func__))
@@ -158,24 +221,23 @@ def registry_cache() -> _RegistryCache | None:
 
 
 class _DecompositionTableCache:
-    """`create_onnx_friendly_decomposition_table` built once per set of ONNX-implemented ops;
-    every call returns a new dict (the export may change the one it is given)."""
+    """`create_onnx_friendly_decomposition_table` built once per key (the ONNX-implemented op set,
+    the ops torch knows, torch's decompositions: the module docstring's table); every call returns
+    a new dict (the export may change the one it is given)."""
 
     def __init__(self, build: Any) -> None:
         self.build = build
-        self.built: dict[tuple[frozenset[Any], int, int], dict[Any, Any]] = {}
+        self.built = _Entries()
         self.builds = 0  # how many times the table was really built (tests read it)
 
     def __call__(self, onnx_registered_ops: Any) -> dict[Any, Any]:
         import torch
 
-        # a model that loads an op library (custom ops, their decompositions) changes the counts
-        key = (frozenset(onnx_registered_ops), len(torch._C._dispatch_get_all_op_names()),
-               len(torch._decomp.decomposition_table))
+        key = (frozenset(onnx_registered_ops), ops_known(), frozenset(torch._decomp.decomposition_table.items()))
         table = self.built.get(key)
         if table is None:
             self.builds += 1
-            table = self.built[key] = self.build(onnx_registered_ops)
+            table = self.built.put(key, self.build(onnx_registered_ops))
         return dict(table)
 
 

@@ -40,12 +40,13 @@ def run_request(request_path: str) -> int:
     work = Path(request_path).parent
     events = os.open(request.events_path, os.O_WRONLY | os.O_CLOEXEC)
 
-    from fxport.workers.sandbox.confine import apply_limits, confine, inherited_state
+    from fxport.workers.sandbox.confine import apply_limits, bound_tasks, confine, inherited_state
 
     started = time.perf_counter()
     limits = request.limits
     isolated = apply_limits(limits.memory_bytes, limits.cpu_seconds, limits.isolate_network,
                             request.limit_address_space)
+    bound_tasks()  # before confine, which leaves the job's cgroup out of reach; the worker records it
     info = {"network_isolated": isolated,
             **confine([work, request.engine.out_dir], request.readable, gpu=request.gpu)}
     problems = inherited_state({0, 1, 2, events})
@@ -77,6 +78,7 @@ def run_request(request_path: str) -> int:
         stream.write(json.dumps(event) + "\n")
 
     from fxport.errors import FxportError
+    from fxport.text import cause_chain, printable
     from fxport.workers.engine.pipeline import convert_request
 
     try:
@@ -84,14 +86,15 @@ def run_request(request_path: str) -> int:
         manifest = convert_request(request.engine, on_progress=on_progress, report=False)
         result: dict[str, Any] = {"ok": True, "manifest": manifest}
     except FxportError as exc:
-        result = {"ok": False, "error": {**exc.to_dict(), "message": str(exc)}}
+        result = {"ok": False, "error": exc.to_dict()}
     except MemoryError:
         result = {"ok": False, "error": {"code": "resource_limit", "stage": None,
                                          "message": "the model ran out of its memory limit"}}
     except Exception as exc:
         traceback.print_exc()
         result = {"ok": False, "error": {"code": "conversion_failed", "stage": None,
-                                         "message": f"internal error: {type(exc).__name__}: {exc}"}}
+                                         "message": printable(f"internal error: {type(exc).__name__}: {exc}"),
+                                         "detail": cause_chain(exc)}}
     _write_result(work, result)
     stream.close()
     return 0

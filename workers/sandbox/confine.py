@@ -5,7 +5,11 @@ is read (Linux). Each holds without the others and without privileges:
   vfork, clone without CLONE_THREAD; threads still work), no sockets of any family (socket,
   socketpair: not unix, inet, netlink or packet), no io_uring, and none of the calls that reach
   other processes or the kernel's shared state (ptrace, process_vm_*, bpf, perf_event_open,
-  userfaultfd, keyrings, mounts, namespaces); syscalls of a foreign ABI (i386, x32) fail too.
+  userfaultfd, keyrings, mounts, namespaces, inotify and fanotify); syscalls of a foreign ABI
+  (i386, x32) fail too. The calls the kernel allows between processes of one uid (every job,
+  the zygote and the worker share one) act on the caller only: prlimit64, setpriority,
+  sched_setaffinity/setscheduler/setparam/setattr, ioprio_set, migrate_pages and move_pages
+  succeed with the pid 0 or the child's own, and fail with EPERM for any other.
 - **Landlock** (Linux ≥ 5.13): reads only beneath the interpreter, the installed packages, the
   shared libraries, a few system files and the job's own inputs and folders; writes only
   beneath the job's folders and to /dev/null-like devices; no TCP (ABI ≥ 4); no signals to
@@ -20,6 +24,7 @@ thread, and threads created later inherit them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -67,7 +72,11 @@ SYSTEM_READ_PATHS = (
     "/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
     "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf",
     "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat",
-    "/sys/devices/system/cpu", "/sys/devices/system/node", "/sys/fs/cgroup",
+    "/sys/devices/system/cpu", "/sys/devices/system/node", *(f"/sys/fs/cgroup/{name}" for name in (
+        # the container's CPU and memory limits, for a runtime that sizes its threads or memory by them
+        # (cgroup v2, then v1); not the rest of the cgroup tree, which shows the host's
+        "cpu.max", "memory.max", "cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us", "cpu,cpuacct/cpu.cfs_quota_us",
+        "cpu,cpuacct/cpu.cfs_period_us", "memory/memory.limit_in_bytes")),
 )
 
 # seccomp: per architecture, the audit arch, clone, clone3 and fork/vfork (x86_64 only).
@@ -79,7 +88,7 @@ _ARCHES: dict[str, dict[str, Any]] = {
 # checked against both headers). Sockets of every family; io_uring (its own way to every
 # syscall above); reaching other processes; kernel objects shared across the machine
 # (bpf maps, perf events, keyrings); mounts and namespaces.
-REFUSED_SYSCALLS: dict[str, tuple[int, int]] = {
+REFUSED_SYSCALLS: dict[str, tuple[int, int | None]] = {  # None: not on that architecture
     "socket": (41, 198), "socketpair": (53, 199),
     "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
     "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "kcmp": (312, 272),
@@ -90,6 +99,20 @@ REFUSED_SYSCALLS: dict[str, tuple[int, int]] = {
     "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
     "fspick": (433, 433), "mount_setattr": (442, 442),
     "unshare": (272, 97), "setns": (308, 268), "open_by_handle_at": (304, 265),
+    # watching files another job opens in the shared package folders; another process's memory
+    "inotify_init": (253, None), "inotify_init1": (294, 26), "fanotify_init": (300, 262),
+    "process_madvise": (440, 440), "process_mrelease": (448, 448),
+}
+# Calls that act on another process of the same uid when given its pid (issue 40: a model set
+# RLIMIT_CPU on the Celery master, RLIMIT_AS on another tenant's child, reniced the zygote): allowed
+# only on the caller. The pid is args[0] for these...
+OWN_PID_ARG0: dict[str, tuple[int, int]] = {
+    "prlimit64": (302, 261), "sched_setaffinity": (203, 122), "sched_setscheduler": (144, 119),
+    "sched_setparam": (142, 118), "sched_setattr": (314, 274), "migrate_pages": (256, 238), "move_pages": (279, 239),
+}
+# ...and (which, who) for these: only `which` = a process (PRIO_PROCESS 0, IOPRIO_WHO_PROCESS 1).
+OWN_WHO_ARG1: dict[str, tuple[tuple[int, int], int]] = {
+    "setpriority": ((141, 140), 0), "ioprio_set": ((251, 30), 1),
 }
 # A GPU job may make AF_UNIX sockets (below, seccomp_program), but may not send on one to a
 # socket it did not make itself: no connect, no send with an address.
@@ -132,7 +155,7 @@ def _no_new_privs() -> bool:
 # -- what the child may read -----------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)  # the interpreter's prefixes and site folders: fixed for a process's life
 def python_read_paths() -> tuple[Path, ...]:
     """The interpreter, its standard library, the installed packages and fxport's own code.
 
@@ -174,9 +197,107 @@ MAX_FILE_BYTES = 16 << 30
 MAX_OPEN_FILES = 1024
 
 
+MAX_JOB_TASKS = 1024  # threads (and processes, which seccomp refuses anyway) of one job's child
+PIDS_CGROUP_V1 = Path("/sys/fs/cgroup/pids")
+JOB_CGROUP_PREFIX = "fxport-job-"
+
+
+def _pids_cgroup_dir(pid: int | str = "self") -> Path | None:
+    """The cgroup v1 pids hierarchy's folder of `pid`'s cgroup, where there is one."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):
+            return PIDS_CGROUP_V1 / path.lstrip("/")
+    return None
+
+
+def bound_tasks(limit: int = MAX_JOB_TASKS) -> str | None:
+    """Bound the threads this process (a job's child) may hold to `limit`, whatever else runs
+    under its uid, and say how: "pids_cgroup" or "rlimit_nproc"; None where neither applies.
+
+    - A pids cgroup of its own (`join_job_cgroup`), where this process may make one (root, or a
+      delegated hierarchy). A spare child joins it while it waits for its job (moving a process
+      into a cgroup can wait for an RCU grace period: 7 ms on a 2-core Intel Xeon VM).
+    - Otherwise RLIMIT_NPROC at what the uid runs now, its own tasks aside, plus `limit`. That limit
+      counts every task of the uid, so it is set from the count at the job's start; the kernel
+      enforces it only on a non-root uid without CAP_SYS_ADMIN or CAP_SYS_RESOURCE (a pod's uid),
+      which is where no cgroup can be made either."""
+    if join_job_cgroup(limit):
+        return "pids_cgroup"
+    if os.getuid() == 0:
+        return None  # RLIMIT_NPROC is not enforced for root
+    others = _tasks_of_uid(os.getuid()) - len(os.listdir("/proc/self/task"))  # the uid's tasks but its own
+    resource.setrlimit(resource.RLIMIT_NPROC, (others + limit, others + limit))
+    return "rlimit_nproc"
+
+
+def join_job_cgroup(limit: int = MAX_JOB_TASKS) -> bool:
+    """Move this process into a pids cgroup of its own, `fxport-job-<pid>` beneath the worker's,
+    with pids.max = `limit` (at once when it is there already). False where none can be made;
+    `release_tasks_bound` removes it once the process has been reaped."""
+    folder = _pids_cgroup_dir()
+    if folder is None:
+        return False
+    if folder.name == f"{JOB_CGROUP_PREFIX}{os.getpid()}":
+        return True  # joined ahead of its job (a spare child)
+    job = folder / f"{JOB_CGROUP_PREFIX}{os.getpid()}"
+    try:
+        job.mkdir(exist_ok=True)
+        (job / "pids.max").write_text(str(limit))
+        (job / "cgroup.procs").write_text(str(os.getpid()))
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            job.rmdir()
+        return False
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Threads of every process of `uid` now (what RLIMIT_NPROC counts)."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                total += int(f.read().rsplit(b")", 1)[1].split()[17])  # num_threads
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def release_tasks_bound(pid: int) -> None:
+    """Remove the pids cgroup `join_job_cgroup` made for the child `pid`, now reaped (an empty
+    cgroup). Called by the process that reaped it, from its own cgroup (the child's parent one)."""
+    folder = _pids_cgroup_dir()
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            (folder / f"{JOB_CGROUP_PREFIX}{pid}").rmdir()
+
+
+def release_stale_task_bounds() -> None:
+    """Remove job cgroups whose child is gone (left by a worker that was killed)."""
+    folder = _pids_cgroup_dir()
+    if folder is None or not folder.is_dir():
+        return
+    with contextlib.suppress(OSError):
+        for entry in folder.iterdir():
+            pid = entry.name.removeprefix(JOB_CGROUP_PREFIX)
+            if pid != entry.name and not Path("/proc", pid).exists():
+                with contextlib.suppress(OSError):
+                    entry.rmdir()
+
+
 def apply_limits(memory_bytes: int, cpu_seconds: int, isolate_network: bool, limit_address_space: bool = True) -> bool:
     """rlimits (address space, CPU time, file size, open files, no core dumps), then an empty
     network namespace where the kernel allows one (CAP_SYS_ADMIN). Returns whether it could.
+    The threads it may hold are bounded by `bound_tasks`, called beside it.
 
     `limit_address_space=False` (a TensorRT build): CUDA reserves far more virtual address
     space than it uses and fails to initialise under RLIMIT_AS, so there the container's
@@ -267,23 +388,40 @@ def _bpf_jump(code: int, k: int, jt: int, jf: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-@functools.lru_cache(maxsize=8)
-def seccomp_program(machine: str | None = None, *, unix_sockets: bool = False) -> bytes:
+OWN_PID_SENTINEL = 0xFFFFFFFF  # no pid is -1: the program's place for the caller's own pid
+
+
+def seccomp_program(machine: str | None = None, *, unix_sockets: bool = False, own_pid: int = 0) -> bytes:
+    """`seccomp_template` with the caller's own pid in place (0: none but 0 is its own)."""
+    template = seccomp_template(machine, unix_sockets=unix_sockets)
+    jeq, pid = 0x15, struct.pack("=I", own_pid)
+    rows = [template[i:i + 8] for i in range(0, len(template), 8)]  # struct sock_filter {u16 code; u8 jt, jf; u32 k}
+    return b"".join(row[:4] + pid if struct.unpack_from("=H", row)[0] == jeq and row[4:] == b"\xff\xff\xff\xff"
+                    else row for row in rows)
+
+
+@functools.lru_cache(maxsize=8)  # keyed on its whole input (machine, unix_sockets)
+def seccomp_template(machine: str | None = None, *, unix_sockets: bool = False) -> bytes:
     """A seccomp BPF program: sockets, io_uring and the calls in `refused` fail with EPERM;
     process-creating clone/fork/vfork with EAGAIN/EPERM; clone3 with ENOSYS (so libc falls
     back to clone, whose flags the filter can read); syscalls of a foreign ABI (i386 int 0x80,
-    x32) with ENOSYS. Everything else is allowed.
+    x32) with ENOSYS; the calls of OWN_PID_ARG0 and OWN_WHO_ARG1 with EPERM unless their pid is 0
+    (the caller) or the caller's own (OWN_PID_SENTINEL here, put in by `seccomp_program`: a child
+    forked from the zygote, which builds this once, only patches it). Everything else is allowed.
 
     `unix_sockets` (a GPU job): socket() and socketpair() of AF_UNIX are allowed, every other
     family still fails. NVIDIA's driver library makes both when CUDA starts, and CUDA fails
     to initialise without them (error 304; measured on an H200, bench/gpu_check.py)."""
     machine = machine or platform.machine()
     arch = _ARCHES[machine]
-    socket_calls = [REFUSED_SYSCALLS[name][list(_ARCHES).index(machine)] for name in ("socket", "socketpair")]
-    refused = [numbers[list(_ARCHES).index(machine)] for numbers in REFUSED_SYSCALLS.values()]
+    which = list(_ARCHES).index(machine)
+    socket_calls = [nr for name in ("socket", "socketpair") if (nr := REFUSED_SYSCALLS[name][which]) is not None]
+    refused = [nr for numbers in REFUSED_SYSCALLS.values() if (nr := numbers[which]) is not None]
+    own_pid_calls = [numbers[which] for numbers in OWN_PID_ARG0.values()]
+    own_who_calls = [(numbers[which], who) for numbers, who in OWN_WHO_ARG1.values()]
     if unix_sockets:
         refused = [nr for nr in refused if nr not in socket_calls]
-        refused += [numbers[list(_ARCHES).index(machine)] for numbers in UNIX_SENDS_REFUSED.values()]
+        refused += [numbers[which] for numbers in UNIX_SENDS_REFUSED.values()]
     ld_w_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     # Layout, with the four return statements at the end: ... | ALLOW | ENOSYS | EPERM | EAGAIN
     body: list[tuple[str, int, str | None, str | None]] = [
@@ -294,10 +432,24 @@ def seccomp_program(machine: str | None = None, *, unix_sockets: bool = False) -
         ("jeq", arch["clone3"], "ENOSYS", None),
         *[("jeq", nr, "EPERM", None) for nr in (*arch["forks"], *refused)],
         *[("jeq", nr, "SOCKET_FAMILY", None) for nr in (socket_calls if unix_sockets else ())],
+        *[("jeq", nr, "OWN_PID_ARG0", None) for nr in own_pid_calls],
+        *[("jeq", nr, f"WHO_IS_{who}", None) for nr, who in own_who_calls],
         ("jeq", arch["clone"], None, "ALLOW"),
         ("ld", 16, None, None),                      # args[0] (clone flags), low 32 bits (little-endian)
         ("jset", CLONE_THREAD, "ALLOW", "EAGAIN"),
+        # a pid in args[0] (pid_t: its low 32 bits): 0 or the caller's own
+        ("label", 0, "OWN_PID_ARG0", None),
+        ("ld", 16, None, None),
+        ("jeq", 0, "ALLOW", None),
+        ("jeq", OWN_PID_SENTINEL, "ALLOW", "EPERM"),
     ]
+    for who in sorted({who for _, who in own_who_calls}):  # args[0] says a process; args[1] which
+        body += [("label", 0, f"WHO_IS_{who}", None),
+                 ("ld", 16, None, None),
+                 ("jeq", who, None, "EPERM"),
+                 ("ld", 24, None, None),             # args[1], low 32 bits
+                 ("jeq", 0, "ALLOW", None),
+                 ("jeq", OWN_PID_SENTINEL, "ALLOW", "EPERM")]
     if unix_sockets:
         body += [("label", 0, "SOCKET_FAMILY", None),
                  ("ld", 16, None, None),             # args[0] (the address family)
@@ -387,7 +539,7 @@ def confine(writable: Iterable[Path], readable: Iterable[Path] = (), *, gpu: boo
     try:
         if platform.machine() not in _ARCHES:
             raise OSError(errno.ENOSYS, f"no seccomp filter for {platform.machine()}")
-        install_seccomp(seccomp_program(unix_sockets=gpu))
+        install_seccomp(seccomp_program(unix_sockets=gpu, own_pid=os.getpid()))
         info["no_new_processes"] = info["sockets_blocked"] = True
         # a GPU job: no network socket, but unconnected AF_UNIX sockets of its own (CUDA makes them)
         info["unix_sockets_local"] = gpu

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fxport.jobs import STAGES
+from fxport.text import printable
 
 MAX_EVENT_BYTES = 4096
 MAX_EVENTS = 10_000
@@ -40,7 +41,9 @@ def check_event(line: bytes) -> dict[str, Any]:
         raise ValueError("an event whose progress is not a number")
     if not isinstance(message, str):
         raise ValueError("an event whose message is not a string")
-    return {"stage": stage, "progress": min(1.0, max(0.0, float(progress))), "message": message[:MAX_MESSAGE_CHARS]}
+    # a model can write escape sequences here (OSC 52 sets a clipboard): none reaches a terminal
+    return {"stage": stage, "progress": min(1.0, max(0.0, float(progress))),
+            "message": printable(message[:MAX_MESSAGE_CHARS])}
 
 
 class EventPump:

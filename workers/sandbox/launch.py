@@ -7,6 +7,7 @@ job's child (`kill_job`), found by what this process started, never by what a ch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,9 @@ _KEEP_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED",
              # a TensorRT build needs the GPU the worker was given and the libraries its image set up
              "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
              "CUDA_MODULE_LOADING")
+
+# How long closing a warm sandbox waits for its zygote to exit on its own before killing it.
+CLOSE_WAIT_S = 5.0
 
 # The zygote kills a child this long after its wall-clock limit, should its worker not have
 # (a time limit or cancellation that struck while the child was being started).
@@ -148,6 +153,10 @@ class _ColdLaunch:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+        if self.proc.poll() is not None:  # reaped: its pids cgroup is empty
+            from fxport.workers.sandbox.confine import release_tasks_bound
+
+            release_tasks_bound(self.pid)
 
 
 class _WarmLaunch:
@@ -212,6 +221,7 @@ class WarmSandbox:
     def _ensure(self) -> subprocess.Popen[str]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
+        started = time.monotonic()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "fxport.workers.sandbox.zygote"], cwd="/",
             env={**scrubbed_env(), "FXPORT_SANDBOX_HUGE_PAGES": "1" if SANDBOX_HUGE_PAGES else "0",
@@ -227,8 +237,10 @@ class WarmSandbox:
         self.ready = json.loads(ready)
         huge = self.ready.get("huge_pages") or {}
         spare = self.ready.get("spare") or {}
-        log.info("warm sandbox ready (pid %d): %s MiB of its memory on huge pages after %s s of collapsing, "
-                 "%s range(s) refused in whole or part; spare children %s", self._proc.pid, huge.get("huge_mib", 0),
+        # "ready in N s": how long a worker's first job waits for its sandbox (tests bound that wait by it)
+        log.info("warm sandbox ready in %.2f s (pid %d): %s MiB of its memory on huge pages after %s s of "
+                 "collapsing, %s range(s) refused in whole or part; spare children %s",
+                 time.monotonic() - started, self._proc.pid, huge.get("huge_mib", 0),
                  huge.get("seconds", 0), huge.get("refused", 0),
                  f"write {spare['mib']} MiB and map {spare['code_mib']} MiB of code ahead of each job "
                  f"(learned in {spare['seconds']} s)" if "mib" in spare
@@ -286,9 +298,17 @@ class WarmSandbox:
         return box[0]
 
     def close(self) -> None:
+        """End the zygote: its stdin closed, it ends its spare (and removes the spare's job cgroup)
+        and exits; killed if it has not within a few seconds. Children still running die with it."""
         if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
+            with contextlib.suppress(OSError):
+                if self._proc.stdin is not None:
+                    self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
             self._proc = None
 
 

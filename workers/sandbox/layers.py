@@ -69,7 +69,23 @@ def measure(pid: int, alive: Callable[[], bool]) -> dict[str, Any]:
         "cpu_limit_s": limits.get("Max cpu time"),
         "file_size_limit_mb": (limits.get("Max file size") or 0) >> 20 or None,
         "open_files_limit": limits.get("Max open files"),
+        "tasks_bounded": _tasks_bound(pid, limits, int(status.get("Uid", "0").split()[0] or 0)),
     }
+
+
+def _tasks_bound(pid: int, limits: dict[str, int | None], uid: int) -> str | None:
+    """How the threads the child may hold are bounded (confine.bound_tasks): its own pids cgroup,
+    RLIMIT_NPROC (which the kernel enforces on a non-root uid only), or None."""
+    from fxport.workers.sandbox.confine import JOB_CGROUP_PREFIX
+
+    try:
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "pids" in controllers.split(",") and path.rstrip("/").endswith(f"/{JOB_CGROUP_PREFIX}{pid}"):
+                return "pids_cgroup"
+    except (OSError, ValueError):
+        pass
+    return "rlimit_nproc" if uid != 0 and limits.get("Max processes") is not None else None
 
 
 def record(measured: dict[str, Any] | None, reported: dict[str, Any] | None, *,
@@ -97,6 +113,7 @@ def record(measured: dict[str, Any] | None, reported: dict[str, Any] | None, *,
         "seccomp_filters": m.get("seccomp_filters", 0),
         "file_size_limit_mb": m.get("file_size_limit_mb"),
         "open_files_limit": m.get("open_files_limit"),
+        "tasks_bounded": m.get("tasks_bounded"),  # "pids_cgroup", "rlimit_nproc" or None
         **{key: r.get(key, False if key in LAYER_LABELS else None) for key in REPORTED_KEYS},
         "landlock_abi": r.get("landlock_abi", 0),
         "sources": {"measured_by_worker": sorted(m) if measured is not None else [],

@@ -9,12 +9,14 @@ sandbox/beneath.py: no link the child made is followed, no file it wrote is read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import platform
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -44,6 +46,13 @@ MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists nodes and metrics, never weigh
 MAX_RESULT_BYTES = MAX_MANIFEST_BYTES + (1 << 20)  # the manifest plus an error
 MAX_TIMING_CACHE_BYTES = 256 << 20
 MAX_OUTPUT_FILES = 4096  # a conversion writes a handful; FX source one file per submodule at most
+MAX_SANDBOX_ENTRIES = 4 * MAX_OUTPUT_FILES  # files and folders beneath its folders while it runs (temp files too)
+DISK_CHECK_S = 0.5
+# The shape of a manifest the worker accepts from the sandbox: the engine writes at most 2,000 graph
+# nodes and a few dozen rows per section, and strings of a few KB (an error's log tail: 4 KB).
+MAX_MANIFEST_ITEMS = 10_000
+MAX_MANIFEST_STRING = 64 << 10
+MAX_MANIFEST_DEPTH = 32
 LOG_TAIL_BYTES = 4000
 
 _ERROR_TYPES: dict[str, type[errors.FxportError]] = {
@@ -135,7 +144,8 @@ def _run_checked(request: EngineRequest, child: _Child, isolate_network: bool,
     )
     (work / "request.json").write_text(sandbox_request.model_dump_json())
     try:
-        rc = child.run(launcher.scrubbed_env(work), timeout, cancel_event)
+        disk = DiskWatch((work, out_dir), request.max_output_bytes, MAX_SANDBOX_ENTRIES)
+        rc = child.run(launcher.scrubbed_env(work), timeout, cancel_event, disk)
         with beneath.opened_dir(work) as work_fd:
             result = _read_result(work_fd, rc, child, memory, timeout)
     finally:
@@ -154,7 +164,7 @@ def _run_checked(request: EngineRequest, child: _Child, isolate_network: bool,
     try:
         manifest = _child_manifest(result.get("manifest"))
         manifest.sandbox = box  # the worker's record; whatever the child wrote there is dropped
-        _validate_outputs(manifest, out_dir)
+        _validate_outputs(manifest, out_dir, request.max_output_bytes)
     except errors.FxportError:
         _count_failure("invalid_output")
         raise
@@ -163,9 +173,15 @@ def _run_checked(request: EngineRequest, child: _Child, isolate_network: bool,
 
 def _child_manifest(data: Any) -> Manifest:
     """The child's manifest, read as the type every reader expects: one of another shape (a
-    string where a digest goes, an artifact without a path) is refused here, not by a reader."""
+    string where a digest goes, an artifact without a path) or of more than a conversion writes
+    (`manifest_shape_violation`) is refused here, not by a reader."""
     if not isinstance(data, dict):
         raise errors.SandboxViolation("the sandbox's result has no manifest", stage="upload")
+    excess = manifest_shape_violation(data)
+    if excess:
+        raise errors.SandboxViolation(f"the sandbox's manifest {excess}", stage="upload",
+                                      hint="a conversion's manifest stays far below these bounds: the model "
+                                      "rewrote it")
     try:
         return Manifest.model_validate(data)
     except ValidationError as exc:
@@ -173,6 +189,32 @@ def _child_manifest(data: Any) -> Manifest:
         where = ".".join(str(part) for part in first["loc"])
         raise errors.SandboxViolation(f"the sandbox's manifest is malformed at {where!r}: {first['msg']}"[:500],
                                       stage="upload") from None
+
+
+def manifest_shape_violation(data: Any) -> str | None:
+    """What in a manifest passes MAX_MANIFEST_ITEMS items in a list or mapping,
+    MAX_MANIFEST_STRING characters in a string or MAX_MANIFEST_DEPTH levels of nesting, said with
+    its path and the bound; None when nothing does. Every reader after the sandbox (the upload, the
+    report, the job record) then handles a manifest of bounded shape, whatever the model wrote."""
+    stack: list[tuple[Any, str, int]] = [(data, "manifest", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            if len(value) > MAX_MANIFEST_STRING:
+                return f"has a string of {len(value)} characters at {where}; the bound is {MAX_MANIFEST_STRING}"
+            continue
+        if not isinstance(value, (list, dict)):
+            continue
+        if depth >= MAX_MANIFEST_DEPTH:
+            return f"nests more than {MAX_MANIFEST_DEPTH} levels deep at {where}"
+        if len(value) > MAX_MANIFEST_ITEMS:
+            return f"has {len(value)} items at {where}; the bound is {MAX_MANIFEST_ITEMS} per list or mapping"
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{str(k)[:40]}", depth + 1) for k, v in value.items())
+            stack.extend((k, f"{where} (a key)", depth + 1) for k in value)
+        else:
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+    return None
 
 
 def _str(value: Any) -> str | None:
@@ -211,7 +253,8 @@ class _Child:
         if self.on_progress:
             self.on_progress(event)
 
-    def run(self, env: dict[str, str], timeout: float, cancel: threading.Event | None) -> int:
+    def run(self, env: dict[str, str], timeout: float, cancel: threading.Event | None,
+            disk: DiskWatch | None = None) -> int:
         events_fd = os.open(self.work / "events", os.O_RDWR | os.O_NONBLOCK)  # never blocks, never EOF
         pump = EventPump(events_fd, self._on_layers, self._on_event).start()
         try:
@@ -222,7 +265,7 @@ class _Child:
                 self._launched.set()
             launcher.register(self.job_id, self.launch)
             try:
-                return self._wait(timeout, cancel, pump)
+                return self._wait(timeout, cancel, pump, disk)
             except BaseException:
                 self.launch.kill()
                 raise
@@ -233,9 +276,9 @@ class _Child:
             pump.stop()
             os.close(events_fd)
 
-    def _wait(self, timeout: float, cancel: threading.Event | None, pump: EventPump) -> int:
-        """The child's exit status; raises when it is cancelled, breaks the event rules or runs
-        past `timeout`."""
+    def _wait(self, timeout: float, cancel: threading.Event | None, pump: EventPump, disk: DiskWatch | None) -> int:
+        """The child's exit status; raises when it is cancelled, breaks the event rules, writes
+        past its disk budget or runs past `timeout`."""
         assert self.launch is not None
         deadline = time.monotonic() + timeout
         while True:
@@ -246,6 +289,12 @@ class _Child:
                 raise errors.SandboxViolation(
                     f"the model broke the sandbox's event rules during {self.stage}: {pump.violation}",
                     stage=self.stage, hint="a model must not write to the sandbox's event channel")
+            excess = disk.check() if disk is not None else None
+            if excess:
+                _count_failure("disk")
+                raise errors.ResourceLimitExceeded(f"the model {excess} during {self.stage}", stage=self.stage,
+                                                   hint="a conversion's files stay far below it; an operator sets "
+                                                   "FXPORT_MAX_JOB_OUTPUT_BYTES")
             left = deadline - time.monotonic()
             if left <= 0:
                 _count_failure("timeout")
@@ -260,6 +309,61 @@ class _Child:
 
     def sandbox_record(self) -> dict[str, Any]:
         return layers.record(self.measured, self.reported, measure_error=self.measure_error)
+
+
+class DiskWatch:
+    """What a running child has written beneath its folders: the sizes of its regular files (a
+    sparse file at its full size: what reading or uploading it would cost) and the number of
+    entries, looked at every DISK_CHECK_S without following a link (each folder opened beneath
+    its parent with O_NOFOLLOW). The kernel bounds each file (RLIMIT_FSIZE); this bounds them all."""
+
+    def __init__(self, folders: tuple[Path, ...], max_bytes: int, max_entries: int) -> None:
+        self.folders, self.max_bytes, self.max_entries = folders, max_bytes, max_entries
+        self._next = 0.0
+
+    def check(self) -> str | None:
+        """The excess, said (`wrote more than N bytes (FXPORT_MAX_JOB_OUTPUT_BYTES)`), or None;
+        looked at once every DISK_CHECK_S at most."""
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + DISK_CHECK_S
+        total = entries = 0
+        pending: list[int] = []  # folders to list, each open
+        done: list[int] = []
+        try:
+            for folder in self.folders:
+                with contextlib.suppress(OSError):
+                    pending.append(os.open(folder, _DIR_FLAGS))
+            while pending:
+                fd = pending.pop()
+                done.append(fd)
+                try:
+                    listing = os.scandir(fd)
+                except OSError:
+                    continue
+                with listing:
+                    for entry in listing:
+                        entries += 1
+                        if entries > self.max_entries:
+                            return f"made more than {self.max_entries} files and folders (the bound)"
+                        try:
+                            st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+                            if stat.S_ISDIR(st.st_mode):
+                                pending.append(os.open(entry.name, _DIR_FLAGS, dir_fd=fd))
+                            elif stat.S_ISREG(st.st_mode):
+                                total += st.st_size
+                        except OSError:  # gone, or swapped for a link meanwhile: never followed
+                            continue
+                        if total > self.max_bytes:
+                            return f"wrote more than {self.max_bytes} bytes (FXPORT_MAX_JOB_OUTPUT_BYTES)"
+        finally:
+            for fd in pending + done:
+                os.close(fd)
+        return None
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _read_result(work_fd: int, rc: int, child: _Child, memory: int, timeout: float) -> dict[str, Any]:
@@ -314,7 +418,7 @@ def _keep_failed_outputs(out_dir: Path, box: dict[str, Any]) -> None:
             _unlink_at(out_fd, "report.html")
             try:
                 raw = beneath.read_bounded(out_fd, "manifest.json", MAX_MANIFEST_BYTES, "manifest.json")
-                manifest = Manifest.from_json(raw)
+                manifest = _child_manifest(json.loads(raw))
             except FileNotFoundError:
                 return
             except (OSError, ValueError, RecursionError, errors.FxportError):  # a ValidationError is a ValueError
@@ -393,10 +497,11 @@ def _death_error(rc: int, stage: str, memory: int, timeout: float, log_tail: str
                                         "or check the model")
 
 
-def _validate_outputs(manifest: Manifest, out_dir: Path) -> None:
+def _validate_outputs(manifest: Manifest, out_dir: Path, max_bytes: int) -> None:
     """The child's files are untrusted: every file beneath out_dir must be a regular file
     (no link, FIFO or hard link anywhere), at most MAX_OUTPUT_FILES of them, and each artifact
-    the manifest lists must be there with the size and sha256 it states."""
+    the manifest lists must be there with the size (fstat, before a byte is read; `max_bytes` in
+    all) and sha256 it states."""
     from fxport.digest import sha256_file
 
     with beneath.opened_dir(out_dir) as out_fd:
@@ -407,7 +512,15 @@ def _validate_outputs(manifest: Manifest, out_dir: Path) -> None:
                 name = art.path
                 if name not in files:
                     raise errors.ConversionFailed(f"sandbox produced an invalid artifact path {name!r}", stage="upload")
+                if files[name].size != art.bytes:
+                    raise errors.ConversionFailed(f"artifact {name!r} does not match its recorded digest: "
+                                                  f"{files[name].size} bytes, recorded {art.bytes}", stage="upload")
                 listed.append((art, files[name]))
+            total = sum(f.size for f in files.values())
+            if total > max_bytes:
+                raise errors.ResourceLimitExceeded(
+                    f"the job's outputs come to {total} bytes; the bound is {max_bytes} (FXPORT_MAX_JOB_OUTPUT_BYTES)",
+                    stage="upload")
             # Several artifacts hashed at once (hashlib lets go of the GIL): this is on every job's critical path.
             with ThreadPoolExecutor(max_workers=max(1, min(4, len(listed)))) as pool:
                 digests = list(pool.map(lambda pair: sha256_file(pair[1].path), listed))

@@ -27,6 +27,7 @@ own Landlock domain (tests/security/test_isolation.py tries, from inside a real 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -191,6 +192,22 @@ class Spare:
         os.close(ready_w)
         self.pid, self._request_w, self._ready_r = pid, request_w, ready_r
 
+    def close(self) -> None:
+        """End the waiting spare, if any, and remove its job cgroup (the zygote is exiting)."""
+        if self.pid is None:
+            return
+        pid, self.pid = self.pid, None
+        for fd in (self._request_w, self._ready_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        from fxport.workers.sandbox.confine import release_tasks_bound
+
+        release_tasks_bound(pid)
+
     def hand(self, request: dict[str, Any]) -> tuple[int, bool] | None:
         """Give `request` to the spare once it is ready: (its pid, whether it was ready before
         the request came). None when it died or never got ready (it is gone then: `ensure`
@@ -218,6 +235,9 @@ class Spare:
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
+        from fxport.workers.sandbox.confine import release_tasks_bound
+
+        release_tasks_bound(pid)
         self.failures += 1
         if self.failures >= MAX_FAILURES:
             self.pages = None  # the zygote forks each job's child itself from now on
@@ -228,10 +248,11 @@ def _wait_for_job(zygote: int, pages: Pages, request_r: int, ready_w: int) -> di
     """In the spare: write the pages, say so, and block until the zygote sends a request: one
     line, or the pipe closed with none (no job for this spare: it exits)."""
     try:
-        from fxport.workers.sandbox.confine import die_with_parent
+        from fxport.workers.sandbox.confine import die_with_parent, join_job_cgroup
 
         die_with_parent(zygote)
         take_faults(pages)
+        join_job_cgroup()  # its job's thread bound, ahead of the job (confine.bound_tasks)
         os.write(ready_w, b"r")
         os.close(ready_w)
         data = b""

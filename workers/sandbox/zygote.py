@@ -73,6 +73,9 @@ def _reap(job: int, pid: int, deadline_s: float | None) -> None:
         _kill_past(pid, deadline_s)
     _, status = os.waitpid(pid, 0)
     _say({"job": job, "status": os.waitstatus_to_exitcode(status)})
+    from fxport.workers.sandbox.confine import release_tasks_bound
+
+    release_tasks_bound(pid)  # the child's pids cgroup, empty now; after the status: off the job's path
 
 
 def _kill_past(pid: int, deadline_s: float) -> None:
@@ -252,13 +255,19 @@ def main() -> None:
 
     import fxport.workers.engine.pipeline  # noqa: F401
     import fxport.workers.sandbox.child  # noqa: F401
-    from fxport.workers.sandbox.confine import _ARCHES, python_read_paths, seccomp_program
+    from fxport.workers.sandbox.confine import _ARCHES, python_read_paths, release_stale_task_bounds, seccomp_template
     from fxport.workers.sandbox.spare import Pages, Spare, learn_pages
 
-    python_read_paths()  # what every child's Landlock rules grant, and its seccomp filter: made once here
+    python_read_paths()  # what every child's Landlock rules grant: made once here
     if platform.machine() in _ARCHES:
-        seccomp_program()
+        seccomp_template()  # each child puts its own pid in (confine.seccomp_program)
+    release_stale_task_bounds()  # job cgroups a killed worker's children left
     from fxport.workers.engine.exporters import exported_program, fx_source, torchscript  # noqa: F401
+
+    # The int8 stage's Q/DQ op library (torch.ops.quantized_decomposed), loaded before the warm-up
+    # builds the ONNX exporter's registry: that registry then knows the ops an int8 job exports, so
+    # an int8 job's child finds it built (the registry is keyed on the ops torch knows, warm_caches).
+    from fxport.workers.engine.quantize import int8  # noqa: F401
     from fxport.workers.engine.verify import runners  # noqa: F401
 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
@@ -300,6 +309,7 @@ def main() -> None:
         if req is None:
             line = sys.stdin.readline()
             if not line:
+                spare.close()  # its job cgroup goes with it; the running jobs' children die with us
                 break
             req = json.loads(line)
         if spare.pages is not None:

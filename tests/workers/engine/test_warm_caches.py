@@ -145,3 +145,29 @@ def test_a_fresh_process_builds_the_onnx_registry_without_compiling_every_functi
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     parsed, registered = map(int, out.split()[-2:])
     assert registered > 400 and parsed == 0
+
+
+def test_a_registry_built_before_an_op_library_is_loaded_knows_its_ops_after() -> None:
+    """Issue 39: the registry a warm parent built before the int8 stage loaded its Q/DQ op library
+    (`torch.ops.quantized_decomposed`) was handed to every later export, so each int8 ONNX export
+    failed with "No ONNX function found for quantized_decomposed.quantize_per_tensor". The cache
+    is keyed on the ops torch knows: loading the library makes the next registry a new build that
+    has them; one more call finds that build. In a fresh process, where the library is not loaded."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "assert 'torch.ao.quantization.fx._decomposed' not in sys.modules\n"
+        "from fxport.workers.engine import warm_caches\n"
+        "warm_caches.cache_onnx_registry()\n"
+        "from torch.onnx._internal.exporter import _registration\n"
+        "def has_qdq(r): return any('quantized_decomposed' in str(t) for t in r.functions)\n"
+        "cache = warm_caches.registry_cache()\n"
+        "print(has_qdq(_registration.ONNXRegistry.from_torchlib()), cache.builds)\n"
+        "import torch.ao.quantization.fx._decomposed\n"
+        "print(has_qdq(_registration.ONNXRegistry.from_torchlib()), cache.builds)\n"
+        "print(has_qdq(_registration.ONNXRegistry.from_torchlib()), cache.builds)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-6:] == ["False", "1", "True", "2", "True", "2"], out

@@ -173,6 +173,8 @@ def _inline_unbuildable_modules(gm: GraphModule) -> GraphModule:
     return traced
 
 
+# Keyed on what `_constructor_source` reads: the torch.nn class and the module's constructor arguments
+# (`_signature_of`); its answer is checked by rebuilding the module, so no other state decides it.
 _CONSTRUCTOR_CACHE: dict[tuple[type, str], tuple[str | None, str | None]] = {}
 
 
@@ -817,7 +819,7 @@ def _importable_where_loaded(module: str) -> bool:
     return top in sys.stdlib_module_names or top in sys.builtin_module_names or top in _installed_top_levels()
 
 
-@functools.cache
+@functools.cache  # the installed packages: fixed for a process's life
 def _installed_top_levels() -> frozenset[str]:
     from importlib.metadata import packages_distributions
 

@@ -63,7 +63,7 @@ def _inplace_flag(node: Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)  # keyed on the callable itself (held: its id is never reused meanwhile)
 def _signature(target: Callable[..., Any]) -> inspect.Signature | None:
     """inspect.signature, once per target: for a builtin it parses the text signature (or fails
     to) on every call, which was done for every call_function node of every graph (side by side:

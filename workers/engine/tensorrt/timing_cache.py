@@ -145,7 +145,7 @@ def probe_device_identity(run: Runner = subprocess.run, env: dict[str, str] | No
     return _probe(run, (env if env is not None else os.environ).get("CUDA_VISIBLE_DEVICES"))
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=4)  # keyed on the runner and CUDA_VISIBLE_DEVICES; GPUs and TensorRT fixed per process
 def _probe(run: Runner, visible: str | None) -> DeviceIdentity | None:
     version = tensorrt_version()
     if version is None:
