@@ -96,6 +96,27 @@ def fork_payload(marker: Path) -> str:
     """)
 
 
+def thread_hog(report: str, at_most: int = 5000) -> str:
+    """Start threads (small stacks: a thread bound, not the memory limit, must stop it) until one
+    is refused or `at_most` run; then `report(held: int, error: str | None)` and let them end."""
+    return textwrap.dedent(f"""
+        import threading
+        threading.stack_size(256 << 10)
+        held, release, refused = [], threading.Event(), None
+        try:
+            while len(held) < {at_most}:
+                held.append(threading.Thread(target=release.wait))
+                held[-1].start()
+        except RuntimeError as exc:
+            held.pop()
+            refused = str(exc)
+        {report}(len(held), refused)
+        release.set()
+        for t in held:
+            t.join()
+    """)
+
+
 def payload(*parts: str) -> str:
     """Parts run in order; the findings leave as the exception message (the job's error)."""
     body = "".join(parts)

@@ -22,7 +22,7 @@ import pytest
 from fxport.errors import UnsupportedModelFormat
 from fxport.workers.engine.load import detect_format
 from fxport.workers.sandbox.confine import MAX_JOB_TASKS, landlock_abi, release_tasks_bound, seccomp_program
-from tests.security.hostile import zip_bomb
+from tests.security.hostile import thread_hog, zip_bomb
 
 PROBE = r"""
 import ctypes, json, os, resource, socket, subprocess, sys, threading
@@ -105,22 +105,12 @@ attempt("ioprio_self", lambda: syscall(251, 1, 0, (2 << 13) | 4))  # best effort
 attempt("inotify", lambda: syscall(294, 0))
 attempt("fanotify", lambda: syscall(300, 0, 0))
 attempt("cgroup_tree", lambda: os.listdir("/sys/fs/cgroup"))
-# threads: bounded per job, whatever else the uid runs (small stacks: the bound, not memory, stops it)
-threading.stack_size(256 << 10)
-held, release = [], threading.Event()
-try:
-    while len(held) < 3000:
-        held.append(threading.Thread(target=release.wait))
-        held[-1].start()
-except RuntimeError as exc:
-    held.pop()
-    out["threads_error"] = str(exc)
-out["threads_held"] = len(held)
-release.set()
-for t in held:
-    t.join()
+# threads: bounded per job, whatever else the uid runs
+def threads(held, refused):
+    out["threads_held"], out["threads_error"] = held, refused
+{THREAD_HOG}
 print(json.dumps(out))
-"""
+""".replace("{THREAD_HOG}", thread_hog("threads", at_most=3000))
 
 UNPRIVILEGED_UID = 10001  # a pod's securityContext.runAsUser, with no capabilities
 MODES = {"full capabilities": [], "no CAP_SYS_ADMIN": ["setpriv", "--bounding-set", "-sys_admin", "--"],

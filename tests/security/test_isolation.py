@@ -34,7 +34,7 @@ from tests.fixtures.servers import (
     start_worker,
     wait_until,
 )
-from tests.security.hostile import PACKAGE_SPEC, hostile_package, payload
+from tests.security.hostile import PACKAGE_SPEC, hostile_package, payload, thread_hog
 
 pytestmark = pytest.mark.slow
 
@@ -489,22 +489,9 @@ def test_a_job_holds_at_most_its_share_of_threads(iso: IsolationStack, tmp_path:
     otherwise), the worker records which, and bob's next job converts."""
     from fxport.workers.sandbox.confine import MAX_JOB_TASKS
 
-    job = run_probe(iso, "threads", payload(textwrap.dedent("""
-        import threading
-        threading.stack_size(256 << 10)  # small stacks: the bound, not the memory limit, must stop it
-        held, release = [], threading.Event()
-        try:
-            while len(held) < 5000:
-                held.append(threading.Thread(target=release.wait))
-                held[-1].start()
-        except RuntimeError as exc:
-            held.pop()
-            report.append(f"stopped by: {exc}")
-        report.append(f"HELD {len(held)}")
-        release.set()
-        for t in held:
-            t.join()
-    """)))
+    job = run_probe(iso, "threads", payload(
+        "def threads(held, refused):\n    report.append(f'stopped by: {refused}')\n    report.append(f'HELD {held}')\n"
+        + thread_hog("threads")))
     text = error_text(job)
     held = int(text.split("HELD ", 1)[1].split()[0])
     assert 500 < held < MAX_JOB_TASKS and "can't start new thread" in text, text

@@ -202,10 +202,10 @@ PIDS_CGROUP_V1 = Path("/sys/fs/cgroup/pids")
 JOB_CGROUP_PREFIX = "fxport-job-"
 
 
-def _pids_cgroup_dir(pid: int | str = "self") -> Path | None:
-    """The cgroup v1 pids hierarchy's folder of `pid`'s cgroup, where there is one."""
+def _pids_cgroup_dir() -> Path | None:
+    """The cgroup v1 pids hierarchy's folder of this process's cgroup, where there is one."""
     try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
