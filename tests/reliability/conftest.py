@@ -197,6 +197,15 @@ _SANDBOX_START: list[tuple[float, float]] = []  # (seconds, slowdown() when meas
 _SANDBOX_READY = re.compile(r"warm sandbox ready in ([0-9.]+) s")
 
 
+def sandbox_start_bound() -> float:
+    """MARGIN times the slowest warm-sandbox start measured at the session's start, stretched if
+    the machine got busier since; 0 before one was measured."""
+    if not _SANDBOX_START:
+        return 0.0
+    took, pace = max(_SANDBOX_START)
+    return MARGIN * max(1.0, slowdown() / pace) * took
+
+
 def wait_sandbox_ready(worker: ManagedProcess, offset: int) -> float:
     """Wait until `worker` logs (past `offset` in its log) that its warm sandbox is ready, and
     return how long the sandbox said its start took. The bound is MARGIN times the slowest start
@@ -210,9 +219,8 @@ def wait_sandbox_ready(worker: ManagedProcess, offset: int) -> float:
         return float(found.group(1)) if found else None
 
     if _SANDBOX_START:
-        took, pace = max(_SANDBOX_START)
-        bound = MARGIN * max(1.0, slowdown() / pace) * took
-        what = f"the warm sandbox of {worker.name} (measured start: {took:.1f} s)"
+        bound = sandbox_start_bound()
+        what = f"the warm sandbox of {worker.name} (measured start: {max(_SANDBOX_START)[0]:.1f} s)"
     else:
         bound, what = scaled(180), f"the warm sandbox of {worker.name}"
     started = wait_until(ready, bound, what, every=0.1)
@@ -468,7 +476,9 @@ def freeze_sandbox(stack: FaultStack, job_id: str, timeout: float | None = None)
             return None
         return pids[0] if pids else None
 
-    pid = wait_until(found, deadline(1, cold=1) if timeout is None else timeout, f"the sandbox of {job_id}",
+    # by default: a job on a worker that may have just started, and so may be starting its sandbox
+    bound = deadline(1, cold=1) + sandbox_start_bound() if timeout is None else timeout
+    pid = wait_until(found, bound, f"the sandbox of {job_id}",
                      every=0.02)
     pgid = os.getpgid(pid)
     assert pgid == pid, "the sandbox is expected to lead its own process group (it calls setsid)"
