@@ -162,9 +162,18 @@ class Settings(BaseSettings):
         10_000, ge=0, description="Job records one tenant may keep; past it the oldest finished jobs are removed "
         "first (QUEUED and RUNNING ones never); 0 = no count limit. With the age limit off too, job records and "
         "artifacts are kept for good and the job store grows without bound.")
+    max_input_bytes_per_tenant: int = Field(
+        100 << 30, ge=0, description="Bytes of models and calibration files one tenant may have stored at once; a "
+        "submit or upload offer that would pass it is refused (RESOURCE_EXHAUSTED), before any byte moves when the "
+        "client declares the sizes (the fxport client does). 0 = no quota.")
+    input_retention_s: float = Field(
+        7 * 24 * 3600.0, ge=0, description="A stored input is deleted this long after the last job submitted with "
+        "it, unless a QUEUED or RUNNING job names it; an input uploaded through a presigned URL whose submit never "
+        "came goes once the URL has expired (plus an hour). 0 = inputs of submitted jobs are kept for good.")
     retention_sweep_interval_s: float = Field(
-        300.0, ge=0, description="How often the API server removes the finished jobs retention no longer keeps (and "
-        "at once when a submit takes a tenant past max_finished_jobs_per_tenant); 0 = never.")
+        300.0, ge=0, description="How often the API server removes the finished jobs retention no longer keeps and the "
+        "inputs input_retention_s no longer keeps (the jobs also at once when a submit takes a tenant past "
+        "max_finished_jobs_per_tenant); 0 = never.")
 
     @model_validator(mode="after")
     def _lease_expires_before_redelivery(self) -> Settings:
@@ -181,6 +190,14 @@ class Settings(BaseSettings):
             raise ValueError(f"max_upload_bytes ({self.max_upload_bytes}) is more than half of max_spool_bytes "
                              f"({self.max_spool_bytes}), the most one tenant may spool: an upload that size could "
                              "never be taken; raise FXPORT_MAX_SPOOL_BYTES (and the spool volume) with it")
+        return self
+
+    @model_validator(mode="after")
+    def _largest_upload_fits_the_input_quota(self) -> Settings:
+        if self.max_input_bytes_per_tenant and self.max_input_bytes_per_tenant < self.max_upload_bytes:
+            raise ValueError(f"max_input_bytes_per_tenant ({self.max_input_bytes_per_tenant}) is less than "
+                             f"max_upload_bytes ({self.max_upload_bytes}): an upload that size could never be stored; "
+                             "raise FXPORT_MAX_INPUT_BYTES_PER_TENANT or lower FXPORT_MAX_UPLOAD_BYTES")
         return self
 
     @model_validator(mode="after")

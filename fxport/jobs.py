@@ -54,6 +54,7 @@ class JobState(str, Enum):
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 IN_FLIGHT_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
+KEEP_FOREVER = 1e12  # an input ledger entry's keep_until when inputs are kept for good (year 33658)
 STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark", "tensorrt", "upload")
 
 
@@ -143,6 +144,14 @@ class JobEvent(BaseModel):
     @property
     def terminal(self) -> bool:
         return self.state.terminal
+
+
+@dataclass(frozen=True)
+class InputAdmission:
+    """JobStore.reserve_input's answer: whether the input is counted, and the tenant's total after."""
+
+    admitted: bool
+    used_bytes: int
 
 
 class IdempotencyConflict(Exception):
@@ -400,6 +409,50 @@ class JobStore(ABC):
     def deletion_done(self, prefix: str) -> None:
         """Drop `prefix` from the queue once its objects are deleted."""
 
+    # -- the input ledger (fxport/retention.py, sweep_inputs): what each tenant stores under ----
+    # `{tenant}/inputs/`, so that a tenant's stored input bytes have a quota and inputs no job
+    # uses are deleted. One entry per (tenant, sha256): its size and the store-clock time it
+    # may be deleted after (`keep_until`), which every use of the input pushes later. Inputs
+    # that QUEUED or RUNNING jobs name are never deleted, whatever their entry says.
+
+    @abstractmethod
+    def reserve_input(self, tenant: str, sha256: str, size: int, keep_until: float, quota: int) -> InputAdmission:
+        """Count an input against `tenant`'s quota, atomically. Already counted: its keep_until is
+        pushed to `keep_until` if that is later, and it is admitted whatever the quota. New: admitted
+        and counted when the tenant's total stays within `quota` (0 = no quota); refused otherwise."""
+
+    @abstractmethod
+    def input_bytes(self, tenant: str) -> int:
+        """The bytes of `tenant`'s counted inputs."""
+
+    @abstractmethod
+    def input_tenants(self) -> list[str]:
+        """Every tenant with a counted input."""
+
+    @abstractmethod
+    def inputs_due(self, tenant: str, now: float, limit: int) -> list[str]:
+        """sha256s of `tenant`'s inputs whose keep_until is before `now`, oldest first."""
+
+    @abstractmethod
+    def forget_input(self, tenant: str, sha256: str, now: float) -> int | None:
+        """Drop the input's entry (and its bytes from the tenant's total) if its keep_until is still
+        before `now`, returning its size; None when a use pushed it later meanwhile, or it is gone."""
+
+    @abstractmethod
+    def _in_flight_ids(self, tenant: str) -> list[str]:
+        """Ids that may be `tenant`'s QUEUED or RUNNING jobs (a superset is fine)."""
+
+    def inputs_in_use(self, tenant: str) -> set[str]:
+        """sha256s of the inputs `tenant`'s QUEUED or RUNNING jobs name."""
+        in_use: set[str] = set()
+        for raw in self._raw_many(self._in_flight_ids(tenant)):
+            if raw is None:
+                continue
+            rec = JobRecord.model_validate_json(raw)
+            if not rec.terminal:
+                in_use.update(ref.sha256 for ref in (rec.model, rec.calibration) if ref is not None)
+        return in_use
+
     # -- job leases (DESIGN.md §7): at most one live worker runs a job -----------------------
     # A worker takes the lease before it starts a job and renews it while the job runs; a
     # redelivered copy of the job finds it held and waits. The lease expires on its own when
@@ -546,6 +599,34 @@ return 1
 """
 
 
+# KEYS: 1 the tenant's inputs (sha256 -> keep_until), 2 their sizes, 3 their total bytes.
+# ARGV: 1 sha256, 2 size, 3 keep_until, 4 quota (0 = none).
+_RESERVE_INPUT_LUA = """
+local old = redis.call('ZSCORE', KEYS[1], ARGV[1])
+local used = tonumber(redis.call('GET', KEYS[3]) or '0')
+if old then
+  if tonumber(ARGV[3]) > tonumber(old) then redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1]) end
+  return {1, used}
+end
+local quota = tonumber(ARGV[4])
+if quota > 0 and used + tonumber(ARGV[2]) > quota then return {0, used} end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return {1, redis.call('INCRBY', KEYS[3], ARGV[2])}
+"""
+
+# KEYS as _RESERVE_INPUT_LUA's. ARGV: 1 sha256, 2 now.
+_FORGET_INPUT_LUA = """
+local keep = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not keep or tonumber(keep) >= tonumber(ARGV[2]) then return -1 end
+local size = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DECRBY', KEYS[3], size)
+return size
+"""
+
+
 _ACQUIRE_LEASE_LUA = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return holder end
@@ -603,6 +684,8 @@ class RedisJobStore(JobStore):
         self._renew = self.r.register_script(_RENEW_LEASE_LUA)
         self._release = self.r.register_script(_RELEASE_LEASE_LUA)
         self._remove = self.r.register_script(_REMOVE_LUA)
+        self._reserve_input = self.r.register_script(_RESERVE_INPUT_LUA)
+        self._forget_input = self.r.register_script(_FORGET_INPUT_LUA)
 
     def _job(self, job_id: str) -> str:
         return f"{self.ns}:job:{job_id}"
@@ -634,6 +717,10 @@ class RedisJobStore(JobStore):
 
     def _deletions(self) -> str:
         return f"{self.ns}:artifact-deletions"
+
+    def _inputs(self, tenant: str) -> list[str]:
+        head = f"{self.ns}:tenant:{tenant}"
+        return [f"{head}:inputs", f"{head}:input-sizes", f"{head}:input-bytes"]
 
     def create(self, record: JobRecord) -> tuple[JobRecord, bool]:
         rec = record.model_copy(update={"last_seq": 1})
@@ -801,6 +888,29 @@ class RedisJobStore(JobStore):
     def deletion_done(self, prefix: str) -> None:
         self.r.lrem(self._deletions(), 0, prefix)
 
+    def reserve_input(self, tenant: str, sha256: str, size: int, keep_until: float, quota: int) -> InputAdmission:
+        admitted, used = self._reserve_input(keys=self._inputs(tenant),
+                                             args=[sha256, int(size), repr(float(keep_until)), int(quota)])
+        return InputAdmission(bool(admitted), int(used))
+
+    def input_bytes(self, tenant: str) -> int:
+        return int(self.r.get(self._inputs(tenant)[2]) or 0)
+
+    def input_tenants(self) -> list[str]:
+        head, tail = f"{self.ns}:tenant:", ":inputs"
+        return sorted({key[len(head):-len(tail)] for key in self.r.scan_iter(match=f"{head}*{tail}", count=500)})
+
+    def inputs_due(self, tenant: str, now: float, limit: int) -> list[str]:
+        due: list[str] = self.r.zrangebyscore(self._inputs(tenant)[0], "-inf", f"({now!r}", start=0, num=limit)
+        return due
+
+    def forget_input(self, tenant: str, sha256: str, now: float) -> int | None:
+        size = int(self._forget_input(keys=self._inputs(tenant), args=[sha256, repr(float(now))]))
+        return None if size < 0 else size
+
+    def _in_flight_ids(self, tenant: str) -> list[str]:
+        return sorted(self.r.smembers(self._in_flight(tenant)))
+
     def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
         holder = self._acquire(keys=[self._lease(job_id), self._heartbeat(job_id)],
                                args=[owner, max(1, int(ttl_s * 1000)), self.HEARTBEAT_KEEP_S])
@@ -850,6 +960,10 @@ CREATE TABLE IF NOT EXISTS shares (
   source TEXT NOT NULL, job_id TEXT NOT NULL, PRIMARY KEY (source, job_id));
 CREATE TABLE IF NOT EXISTS artifact_deletions (
   seq INTEGER PRIMARY KEY AUTOINCREMENT, prefix TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS inputs (
+  tenant TEXT NOT NULL, sha256 TEXT NOT NULL, bytes INTEGER NOT NULL, keep_until REAL NOT NULL,
+  PRIMARY KEY (tenant, sha256));
+CREATE INDEX IF NOT EXISTS inputs_due ON inputs (tenant, keep_until);
 """
 
 
@@ -1015,6 +1129,50 @@ class SqliteJobStore(JobStore):
     def deletion_done(self, prefix: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM artifact_deletions WHERE prefix=?", (prefix,))
+
+    def reserve_input(self, tenant: str, sha256: str, size: int, keep_until: float, quota: int) -> InputAdmission:
+        with self._tx() as db:
+            used = int(db.execute("SELECT COALESCE(SUM(bytes), 0) FROM inputs WHERE tenant=?", (tenant,)).fetchone()[0])
+            if db.execute("SELECT 1 FROM inputs WHERE tenant=? AND sha256=?", (tenant, sha256)).fetchone():
+                db.execute("UPDATE inputs SET keep_until=MAX(keep_until, ?) WHERE tenant=? AND sha256=?",
+                           (keep_until, tenant, sha256))
+                return InputAdmission(True, used)
+            if quota > 0 and used + size > quota:
+                return InputAdmission(False, used)
+            db.execute("INSERT INTO inputs VALUES (?,?,?,?)", (tenant, sha256, int(size), keep_until))
+        return InputAdmission(True, used + size)
+
+    def input_bytes(self, tenant: str) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM inputs WHERE tenant=?",
+                                        (tenant,)).fetchone()[0])
+
+    def input_tenants(self) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT DISTINCT tenant FROM inputs ORDER BY tenant").fetchall()]
+
+    def inputs_due(self, tenant: str, now: float, limit: int) -> list[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT sha256 FROM inputs WHERE tenant=? AND keep_until<? ORDER BY keep_until "
+                                    "LIMIT ?", (tenant, now, max(1, limit))).fetchall()
+        return [r[0] for r in rows]
+
+    def forget_input(self, tenant: str, sha256: str, now: float) -> int | None:
+        with self._tx() as db:
+            row = db.execute("SELECT bytes FROM inputs WHERE tenant=? AND sha256=? AND keep_until<?",
+                             (tenant, sha256, now)).fetchone()
+            if row is None:
+                return None
+            db.execute("DELETE FROM inputs WHERE tenant=? AND sha256=?", (tenant, sha256))
+            return int(row[0])
+
+    def _in_flight_ids(self, tenant: str) -> list[str]:
+        wanted = sorted(s.value for s in IN_FLIGHT_STATES)
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT id FROM jobs WHERE tenant=? AND state IN ({','.join('?' * len(wanted))}) ORDER BY id",
+                (tenant, *wanted)).fetchall()
+        return [r[0] for r in rows]
 
     def acquire_lease(self, job_id: str, owner: str, ttl_s: float) -> str | None:
         now = time.time()

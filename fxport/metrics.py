@@ -101,6 +101,8 @@ class FxportMetrics:
     sandbox_failures_total: Counter
     busy_refusals_total: Counter
     jobs_removed_total: Counter
+    inputs_removed_total: Counter
+    input_quota_refusals_total: Counter
     upload_bytes_total: Counter
     direct_upload_bytes_total: Counter
     job_failures_total: Counter
@@ -244,6 +246,19 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
             "Finished jobs the retention sweep removed with their artifacts, by reason: age (older than "
             "FXPORT_JOB_RETENTION_S) or count (past FXPORT_MAX_FINISHED_JOBS_PER_TENANT).",
             ["reason"],
+            registry=registry,
+        ),
+        inputs_removed_total=Counter(
+            "fxport_inputs_removed_total",
+            "Stored inputs (models, calibration files) the retention sweep deleted: no QUEUED or RUNNING job named "
+            "them and none was submitted with them for FXPORT_INPUT_RETENTION_S (or their presigned upload expired "
+            "with no submit).",
+            registry=registry,
+        ),
+        input_quota_refusals_total=Counter(
+            "fxport_input_quota_refusals_total",
+            "Submits and upload offers refused because a new input would take its tenant past "
+            "FXPORT_MAX_INPUT_BYTES_PER_TENANT.",
             registry=registry,
         ),
         upload_bytes_total=Counter(

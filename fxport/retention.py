@@ -20,6 +20,16 @@ the object store, and only then drops them from the queue, so a sweep cut short 
 the next round. The cache entry of a removed job is left: its proof check fails on the next
 lookup, which drops it (fxport/cache.py).
 
+Inputs (models and calibration files under `{tenant}/inputs/`) are counted in the job store's
+input ledger (JobStore.reserve_input) when a submit or a presigned upload first names them,
+against the tenant's quota (FXPORT_MAX_INPUT_BYTES_PER_TENANT). Each entry says until when the
+input is kept: a presigned upload's until its URL expires (plus an hour to finish the PUT), a
+job's input for FXPORT_INPUT_RETENTION_S after the job was submitted. Past that, an input that
+no QUEUED or RUNNING job names is deleted (`sweep_inputs`): an upload whose submit never came,
+or a model no job has used for the retention time. Finished jobs do not keep their inputs:
+nothing reads a finished job's inputs, and a resubmit sends the bytes again (or is answered
+from the result cache, which needs only the digests).
+
 One sweep at a time runs across API replicas (a store lease). Each round walks every tenant's
 jobs oldest first and stops at the first job young enough to keep, once the tenant is within its
 count: job ids sort by creation time and a job finishes after it is created, so no later job can
@@ -37,7 +47,7 @@ from dataclasses import dataclass, field
 from fxport.jobs import JobStore, job_id_time
 from fxport.metrics import METRICS
 from fxport.periodic import PeriodicTask
-from fxport.storage import ArtifactStore, StorageError
+from fxport.storage import ArtifactStore, StorageError, input_key
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +68,13 @@ class RetentionPolicy:
         """For users: what is kept, naming the settings."""
         parts = []
         if self.retention_s:
-            parts.append(f"{_span(self.retention_s)} after they end (FXPORT_JOB_RETENTION_S)")
+            parts.append(f"{span_text(self.retention_s)} after they end (FXPORT_JOB_RETENTION_S)")
         if self.keep_per_tenant:
             parts.append(f"at most the newest {self.keep_per_tenant} per tenant (FXPORT_MAX_FINISHED_JOBS_PER_TENANT)")
         return "finished jobs are kept " + " and ".join(parts) if parts else "finished jobs are kept for good"
 
 
-def _span(seconds: float) -> str:
+def span_text(seconds: float) -> str:
     if seconds >= 86400 and seconds % 86400 == 0:
         return f"{int(seconds // 86400)} days"
     if seconds >= 3600 and seconds % 3600 == 0:
@@ -78,6 +88,7 @@ class RetentionResult:
     removed_count: list[str] = field(default_factory=list)
     deleted_prefixes: list[str] = field(default_factory=list)
     failed_prefixes: list[str] = field(default_factory=list)
+    deleted_inputs: list[str] = field(default_factory=list)  # their keys
 
     @property
     def removed(self) -> list[str]:
@@ -99,6 +110,8 @@ def sweep_finished(jobs: JobStore, artifacts: ArtifactStore, policy: RetentionPo
             for tenant in jobs.tenants() if tenants is None else sorted(tenants):
                 _sweep_tenant(jobs, tenant, policy, now, result)
         _delete_queued(jobs, artifacts, result)
+        if tenants is None:
+            sweep_inputs(jobs, artifacts, now, result)
     finally:
         jobs.release_lease(SWEEPER_LEASE, owner)
     if result.failed_prefixes:
@@ -160,6 +173,36 @@ def _delete_queued(jobs: JobStore, artifacts: ArtifactStore, result: RetentionRe
                 continue
             jobs.deletion_done(prefix)
             result.deleted_prefixes.append(prefix)
+
+
+def sweep_inputs(jobs: JobStore, artifacts: ArtifactStore, now: float, result: RetentionResult) -> None:
+    """Delete the inputs whose ledger entry is past its keep_until and that no QUEUED or RUNNING
+    job names. The entry goes first, atomically and only if no use pushed it later meanwhile;
+    then the object. Should the delete fail, the entry comes back, due at once, so the next
+    round tries again and the bytes stay counted."""
+    for tenant in jobs.input_tenants():
+        due = jobs.inputs_due(tenant, now, PAGE)
+        if not due:
+            continue
+        in_use = jobs.inputs_in_use(tenant)
+        deleted = 0
+        for sha in due:
+            size = None if sha in in_use else jobs.forget_input(tenant, sha, now)
+            if size is None:
+                continue
+            key = input_key(tenant, sha)
+            try:
+                artifacts.delete_object(key)
+            except StorageError as exc:
+                log.warning("retention: could not delete input %s: %s", key, exc)
+                jobs.reserve_input(tenant, sha, size, 0.0, 0)  # due at once
+                continue
+            result.deleted_inputs.append(key)
+            METRICS.inputs_removed_total.inc()
+            deleted += 1
+        if deleted:
+            log.info("retention: deleted %d inputs of tenant %s no job used (FXPORT_INPUT_RETENTION_S)", deleted,
+                     tenant, extra={"tenant": tenant})
 
 
 class RetentionSweeper(PeriodicTask):

@@ -15,6 +15,7 @@ from fxport.cache import Lookup, ResultCache, wants_engine
 from fxport.config import Settings
 from fxport.errors import SpecError
 from fxport.jobs import (
+    KEEP_FOREVER,
     IdempotencyConflict,
     InputRef,
     JobErrorInfo,
@@ -26,7 +27,7 @@ from fxport.jobs import (
 )
 from fxport.logs import job_context
 from fxport.metrics import METRICS
-from fxport.retention import RetentionPolicy, RetentionSweeper
+from fxport.retention import RetentionPolicy, RetentionSweeper, span_text
 from fxport.service.dispatch import Dispatcher
 from fxport.service.limits import BUSY_RETRY_METADATA, InFlightLimit, SpoolBudget
 from fxport.service.messages import STATE_FROM_PROTO, event_to_proto, job_to_proto, timestamp
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 STREAM_TO_STORE_BYTES = 16 << 20  # smaller models go up in one request after the upload
 WATCH_POLL_S = 1.0  # how long one blocking read waits before re-checking the client is still there
 DEFAULT_URL_EXPIRY_S = 900
+# How long an input counted before its bytes are stored (a submit's declared inputs, a presigned
+# upload) is kept without the job that names it: an upload's time, then the retention sweep
+# deletes what arrived for a submit that never came.
+PENDING_INPUT_S = 3600.0
 MAX_URL_EXPIRY_S = 7 * 24 * 3600
 MAX_IDEMPOTENCY_KEY = 256
 # A model this small goes to the store without asking first whether it is there: the HEAD would
@@ -189,7 +194,40 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                           f"{what}.stored is set but this server has no {what} with sha256 {header.sha256}; "
                           "send the bytes")
         assert meta is not None  # context.abort raised otherwise
+        self._count_input(tenant, what, meta.sha256, meta.bytes, self._input_keep_until(), context)
         return InputRef(sha256=meta.sha256, bytes=meta.bytes, filename=header.filename, key=key)
+
+    def _count_input(self, tenant: str, what: str, sha256: str, size: int, keep_until: float,
+                     context: grpc.ServicerContext) -> None:
+        """Count one input against the tenant's quota (fxport/retention.py: the input ledger), or
+        end the call with RESOURCE_EXHAUSTED naming the quota, its setting and what to do."""
+        quota = self.settings.max_input_bytes_per_tenant
+        admitted = self.jobs.reserve_input(tenant, sha256, size, keep_until, quota)
+        if admitted.admitted:
+            return
+        METRICS.input_quota_refusals_total.inc()
+        retention = self.settings.input_retention_s
+        kept = (f"an input no QUEUED or RUNNING job names is deleted {span_text(retention)} after the last submit "
+                "that used it" if retention else "inputs are kept for good")
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"{what}: tenant {tenant} has {admitted.used_bytes} bytes of stored inputs; these {size} bytes "
+                      f"would pass its quota of {quota} bytes (FXPORT_MAX_INPUT_BYTES_PER_TENANT). {kept.capitalize()} "
+                      "(FXPORT_INPUT_RETENTION_S): submit again once older inputs are gone, reuse a model already "
+                      "stored, or ask the operator to raise the quota")
+
+    def _input_keep_until(self) -> float:
+        """Until when an input a job was just submitted with is kept (FXPORT_INPUT_RETENTION_S)."""
+        retention = self.settings.input_retention_s
+        return self.jobs.clock() + retention if retention else KEEP_FOREVER
+
+    def _count_declared_inputs(self, tenant: str, header: pb.SubmitHeader, context: grpc.ServicerContext) -> None:
+        """Before any byte moves: the inputs the header names by digest and size, counted for as
+        long as an upload may take (the job's creation then keeps them for the retention time)."""
+        until = self.jobs.clock() + PENDING_INPUT_S
+        for what in ("model", "calibration"):
+            file = getattr(header, what)
+            if header.HasField(what) and file.sha256 and file.size:
+                self._count_input(tenant, what, file.sha256, file.size, until, context)
 
     def _cache_lookup(self, tenant: str, model_sha256: str, calibration_sha256: str | None, spec: JobSpec,
                       *, prove: bool, before_submit: bool = False) -> Lookup:
@@ -286,8 +324,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             log.warning("cannot stream the model to the store: %s", exc)
             return None
 
-    def _store_input(self, tenant: str, spooled: SpooledFile) -> InputRef:
+    def _store_input(self, tenant: str, what: str, spooled: SpooledFile, context: grpc.ServicerContext) -> InputRef:
         key = input_key(tenant, spooled.sha256)
+        self._count_input(tenant, what, spooled.sha256, spooled.size, self._input_keep_until(), context)
         if spooled.stored is not None and spooled.stored.key == key:
             pass  # streamed to the store as it arrived, digest checked
         elif spooled.size < SMALL_INPUT_BYTES or self.artifacts.head(key) is None:
@@ -368,8 +407,10 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         key = header.idempotency_key or None
         calib_sha = header.calibration.sha256 if header.HasField("calibration") else None
         use_cache = _cache_allowed(header) and not looked_up  # a header without digests: after the upload
-        # A tenant at its in-flight limit is refused before any byte moves (and again at create).
+        # A tenant at its in-flight limit, or whose new inputs would pass its quota, is refused
+        # before any byte moves (and again at create, and once the bytes are hashed).
         self.in_flight.check(tenant, context)
+        self._count_declared_inputs(tenant, header, context)
         # 4. Bytes: spooled to disk, checked, stored content-addressed.
         started = time.monotonic()
         # The spool bytes it declares are reserved before any arrive, and given back once its files are deleted.
@@ -388,11 +429,11 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                     return answered
             received_s = time.monotonic() - started
             try:
-                model = (self._store_input(tenant, model_file) if model_file
+                model = (self._store_input(tenant, "model", model_file, context) if model_file
                          else self._stored_input(tenant, "model", header.model, context))
                 calibration = None
                 if calib_file is not None:
-                    calibration = self._store_input(tenant, calib_file)
+                    calibration = self._store_input(tenant, "calibration", calib_file, context)
                 elif header.HasField("calibration"):
                     calibration = self._stored_input(tenant, "calibration", header.calibration, context)
             except StorageError as exc:
@@ -456,10 +497,11 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             present = self.artifacts.exists(input_key(tenant, getattr(request, f"{kind}_sha256")))
             setattr(out, f"{kind}_present", present)
         if request.direct_upload and self.settings.direct_upload:
-            self._offer_direct_uploads(tenant, request, out)
+            self._offer_direct_uploads(tenant, request, out, context)
         return out
 
-    def _offer_direct_uploads(self, tenant: str, request: pb.CheckUploadRequest, out: pb.CheckUploadResponse) -> None:
+    def _offer_direct_uploads(self, tenant: str, request: pb.CheckUploadRequest, out: pb.CheckUploadResponse,
+                              context: grpc.ServicerContext) -> None:
         """Presigned PUTs for the inputs the store lacks (S3 only): their bytes then go from the
         client to the store and never through this process. Each URL is bound to the tenant's
         content address, the declared size and sha256 (storage.S3Store.presigned_put)."""
@@ -469,9 +511,16 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         wanted = [(kind, sha, size) for kind, sha, size in wanted
                   if sha and not getattr(out, f"{kind}_present") and lo <= size <= hi]
         # A tenant at its in-flight limit gets no URL: SubmitJob refuses it before any byte moves.
-        if not wanted or self.in_flight.count(tenant) >= self.in_flight.limit:
+        # Nor does a request without the spec of the submit that is to follow, which is validated
+        # first: a URL is the first step of a submit, not free storage. Each input it may store is
+        # counted against the quota now, and kept only until shortly after the URL expires unless
+        # that submit comes (fxport/retention.py).
+        if not wanted or not request.spec or self.in_flight.count(tenant) >= self.in_flight.limit:
             return
+        self._spec_or_abort(request.spec, context)
+        until = self.jobs.clock() + DEFAULT_URL_EXPIRY_S + PENDING_INPUT_S
         for kind, sha, size in wanted:
+            self._count_input(tenant, kind, sha, size, until, context)
             try:
                 signed = self.artifacts.presigned_put(input_key(tenant, sha), sha256=sha, size=size,
                                                       expires_s=DEFAULT_URL_EXPIRY_S)

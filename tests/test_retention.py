@@ -7,6 +7,7 @@ waiting. The attack through the real API is tests/security/test_job_retention.py
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import pytest
 
 from fxport.jobs import (
     ArtifactRecord,
+    InputAdmission,
     InputRef,
     JobRecord,
     JobState,
@@ -27,7 +29,7 @@ from fxport.jobs import (
     new_job_id,
 )
 from fxport.retention import RetentionPolicy, sweep_finished
-from fxport.storage import ArtifactStore, FileStore, S3Store, StorageError, artifact_key
+from fxport.storage import ArtifactStore, FileStore, S3Store, StorageError, artifact_key, input_key
 
 DAY = 86400.0
 T0 = 1_780_000_000.0  # the test's epoch: every job is created relative to it
@@ -65,6 +67,23 @@ class Backends:
 
     def stored(self, rec: JobRecord) -> list[bool]:
         return [self.artifacts.head(a.key) is not None for a in rec.artifacts]
+
+    def input(self, tenant: str, data: bytes, keep_until: float) -> str:
+        """An input stored and counted, as a submit stores it (servicer._store_input)."""
+        sha = hashlib.sha256(data).hexdigest()
+        src = self.tmp / sha
+        src.write_bytes(data)
+        self.artifacts.put_file(input_key(tenant, sha), src, sha256=sha)
+        assert self.jobs.reserve_input(tenant, sha, len(data), keep_until, 0).admitted
+        return sha
+
+    def input_stored(self, tenant: str, sha: str) -> bool:
+        return self.artifacts.head(input_key(tenant, sha)) is not None
+
+    def with_model(self, tenant: str, at: float, sha: str, state: JobState) -> JobRecord:
+        rec = _record(tenant, new_job_id(at), at, state=state)
+        rec.model = InputRef(sha256=sha, bytes=1, key=input_key(tenant, sha))
+        return self.jobs.create(rec)[0]
 
 
 def _record(tenant: str, job_id: str, at: float, *, state: JobState = JobState.SUCCEEDED,
@@ -184,6 +203,11 @@ class _FailingDeletes(FileStore):
             raise StorageError("the object store is away")
         return super().delete_prefix(prefix)
 
+    def delete_object(self, key: str) -> None:
+        if self.fail:
+            raise StorageError("the object store is away")
+        super().delete_object(key)
+
 
 def test_artifacts_the_store_could_not_delete_are_deleted_on_the_next_round(tmp_path):
     store = _FailingDeletes(tmp_path / "store")
@@ -224,3 +248,64 @@ def test_an_index_entry_left_without_its_record_is_dropped_and_not_counted(redis
         assert [r.id for r in jobs.list("alice")[0]] == [r.id for r in reversed(kept)]
     finally:
         jobs.close()
+
+
+# -- inputs ---------------------------------------------------------------------------------
+
+
+def test_the_input_ledger_holds_each_tenant_to_its_quota(backends):
+    jobs, one, two, three = backends.jobs, "1" * 64, "2" * 64, "3" * 64
+    assert jobs.reserve_input("alice", one, 600, T0 + DAY, 1000) == InputAdmission(True, 600)
+    assert jobs.reserve_input("alice", two, 500, T0 + DAY, 1000) == InputAdmission(False, 600)  # 1100 > 1000
+    # counted once, whatever the quota; a later use keeps it longer, an earlier one does not shorten it
+    assert jobs.reserve_input("alice", one, 600, T0 + 2 * DAY, 1) == InputAdmission(True, 600)
+    assert jobs.reserve_input("alice", one, 600, T0, 1000) == InputAdmission(True, 600)
+    assert jobs.reserve_input("bob", two, 500, T0 + DAY, 1000).admitted  # one tenant's bytes are not another's
+    assert jobs.reserve_input("alice", three, 400, T0 + DAY, 0).admitted  # 0: no quota
+    assert jobs.input_bytes("alice") == 1000 and jobs.input_bytes("bob") == 500 and jobs.input_bytes("carol") == 0
+    assert jobs.input_tenants() == ["alice", "bob"]
+
+    assert jobs.inputs_due("alice", T0 + 1.5 * DAY, 10) == [three]
+    assert jobs.forget_input("alice", one, T0 + 1.5 * DAY) is None  # not due
+    assert jobs.forget_input("alice", three, T0 + 1.5 * DAY) == 400
+    assert jobs.forget_input("alice", three, T0 + 1.5 * DAY) is None  # already gone
+    assert jobs.input_bytes("alice") == 600
+    assert jobs.reserve_input("alice", two, 400, T0 + DAY, 1000) == InputAdmission(True, 1000)  # room again
+
+
+def test_inputs_go_once_due_unless_a_job_in_flight_names_them(backends):
+    b = backends
+    queued = b.input("alice", b"a model of a queued job", T0 + DAY)
+    finished = b.input("alice", b"a model of a finished job", T0 + DAY)
+    orphan = b.input("alice", b"uploaded, never submitted", T0 + DAY)
+    later = b.input("alice", b"submitted again since", T0 + 30 * DAY)
+    bobs = b.input("bob", b"a model of a finished job", T0 + DAY)  # the same bytes as alice's, bob's copy
+    b.with_model("alice", T0, queued, JobState.QUEUED)
+    b.with_model("alice", T0, finished, JobState.SUCCEEDED)
+    b.with_model("bob", T0, bobs, JobState.RUNNING)
+
+    result = sweep_finished(b.jobs, b.artifacts, RetentionPolicy(0, 0), now=T0 + 2 * DAY)
+
+    assert sorted(result.deleted_inputs) == sorted(input_key("alice", sha) for sha in (finished, orphan))
+    assert not b.input_stored("alice", finished) and not b.input_stored("alice", orphan)
+    assert b.input_stored("alice", queued) and b.input_stored("alice", later) and b.input_stored("bob", bobs)
+    assert b.jobs.input_bytes("alice") == len(b"a model of a queued job") + len(b"submitted again since")
+    # a sweep narrowed to some tenants (a submit's wake-up) leaves inputs to the full rounds
+    b.input("carol", b"due", T0)
+    assert sweep_finished(b.jobs, b.artifacts, RetentionPolicy(0, 0), now=T0 + DAY, tenants=["carol"]
+                          ).deleted_inputs == []
+
+
+def test_an_input_the_store_could_not_delete_stays_counted_and_goes_on_the_next_round(tmp_path):
+    store = _FailingDeletes(tmp_path / "store")
+    b = Backends(SqliteJobStore(tmp_path / "jobs.db"), store, tmp_path)
+    sha = b.input("alice", b"uploaded, never submitted", T0)
+
+    first = sweep_finished(b.jobs, store, RetentionPolicy(0, 0), now=T0 + DAY)
+    assert first.deleted_inputs == [] and b.input_stored("alice", sha)
+    assert b.jobs.input_bytes("alice") == len(b"uploaded, never submitted")
+
+    store.fail = False
+    second = sweep_finished(b.jobs, store, RetentionPolicy(0, 0), now=T0 + DAY)
+    assert second.deleted_inputs == [input_key("alice", sha)] and not b.input_stored("alice", sha)
+    assert b.jobs.input_bytes("alice") == 0

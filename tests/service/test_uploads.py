@@ -92,7 +92,7 @@ def test_an_upload_url_stores_only_the_bytes_it_was_signed_for(metered_api, dist
     model, sha = _random_file(tmp_path / "signed.bin")
     with Client(metered_api.address) as client:
         offer = client._call(client._stub.CheckUpload, pb.CheckUploadRequest(
-            model_sha256=sha, model_size=SIZE, direct_upload=True, no_cache=True)).model_upload
+            model_sha256=sha, model_size=SIZE, direct_upload=True, no_cache=True, spec="targets: [onnx]")).model_upload
     assert offer.url and offer.expires_at.seconds
     key = input_key("default", sha)
     tampered = tmp_path / "tampered.bin"
@@ -211,7 +211,7 @@ def test_no_upload_url_for_a_tenant_at_its_in_flight_limit(redis_server, s3_serv
         with Client(f"127.0.0.1:{port}") as client:
             assert client.submit(first, SPEC).upload["direct"]  # the tenant's one job in flight
             check = client._call(client._stub.CheckUpload, pb.CheckUploadRequest(
-                model_sha256=sha, model_size=SIZE, direct_upload=True, no_cache=True))
+                model_sha256=sha, model_size=SIZE, direct_upload=True, no_cache=True, spec="targets: [onnx]"))
         assert not check.model_present and not check.HasField("model_upload")
     finally:
         srv.stop(grace=0)
