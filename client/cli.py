@@ -26,10 +26,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from fxport.client import DEFAULT_SERVER, Client, Job, JobPage
-from fxport.client.errors import error_doc, job_exit_code, print_error
+from fxport.client.errors import WaitTimeout, error_doc, job_exit_code, print_error
 from fxport.client.progress import StageProgress
 from fxport.client.spec_options import NO_FLAGS, SpecFlags, parse_labels, with_spec_flags
-from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, FxportError, InvalidInput
+from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, FxportError, InvalidInput
 from fxport.spec import parse_spec
 
 app = typer.Typer(
@@ -48,10 +48,28 @@ app.command("report")(report_command)
 from fxport.client.tokens_command import tokens_app  # noqa: E402
 
 app.add_typer(tokens_app, name="tokens")
+from fxport.client.package_command import package_app  # noqa: E402
+
+app.add_typer(package_app, name="package")
+schema_app = typer.Typer(no_args_is_help=True, help="JSON Schemas of what fxport prints.")
+app.add_typer(schema_app, name="schema")
+
+
+@schema_app.command("result")
+def schema_result() -> None:
+    """The JSON Schema of the result document `--json` prints (docs/ci.md)."""
+    from fxport.results import result_schema
+
+    _emit_json(result_schema())
 
 SERVER = typer.Option(DEFAULT_SERVER, "--server", envvar="FXPORT_SERVER", help="fxport server address host:port.")
 TOKEN = typer.Option(None, "--token", envvar="FXPORT_TOKEN", help="API token (sent as a Bearer token).")
-JSON_OUT = typer.Option(False, "--json", help="Print one JSON document on stdout and nothing else.")
+JSON_OUT = typer.Option(False, "--json", help="Print one JSON document on stdout and nothing else (a job's: "
+                        "`fxport schema result`).")
+JUNIT = typer.Option(None, "--junit", help="Write a JUnit XML report here: one testcase per artifact check (implies "
+                     "--wait).")
+CANCEL_ON_TIMEOUT = typer.Option(False, "--cancel-on-timeout", help="Cancel the job when --timeout passes (exit 3 "
+                                 "either way).")
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -74,27 +92,20 @@ def _run(command: str, fn: Callable[[], int], as_json: bool) -> None:
     raise typer.Exit(code)
 
 
-def _job_summary(job: Job, out: Path | None, console: Console) -> None:
-    """The human result: the job line, its error, and the artifact/verification table."""
+def _job_summary(job: Job, out: Path | None, console: Console, manifest: dict[str, Any] | None = None) -> None:
+    """The human result: the job line, and the artifact/verification table (the error goes to
+    stderr, `_finish`)."""
     colour = {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow"}.get(job.state, "cyan")
     during = f" (stage {job.stage})" if job.stage and job.state != "SUCCEEDED" else ""
     console.print(f"job [bold]{job.id}[/]: [{colour}]{job.state}[/]{during}")
-    if job.error:
-        e = job.error
-        console.print(f"[red]error[/] during {escape(e['stage'] or '?')} ({escape(e['code'])}): {escape(e['message'])}")
-    manifest_path = out / "manifest.json" if out else None
-    if manifest_path is not None and manifest_path.is_file():
+    if manifest is not None:
         from fxport.client.result_table import render_manifest
 
-        render_manifest(json.loads(manifest_path.read_text()), console)
+        render_manifest(manifest, console)
     elif job.artifacts:
         _artifact_table(job, console)
         if job.spec.get("benchmark") is not None and any(a["name"] == "manifest.json" for a in job.artifacts):
             _benchmark_table(job, console)  # the benchmark lives in the manifest: fetch just that
-    if out is not None and job.artifacts:
-        console.print(f"artifacts in {out}/ (sha256 verified)")
-        if (out / "report.html").is_file():
-            console.print(f"report: {out / 'report.html'}")
 
 
 def _benchmark_table(job: Job, console: Console) -> None:
@@ -118,21 +129,72 @@ def _artifact_table(job: Job, console: Console) -> None:
     console.print(table)
 
 
-def _finish(job: Job, *, out: Path | None, as_json: bool) -> int:
+def _job_manifest(job: Job, out: Path | None) -> dict[str, Any] | None:
+    """The finished job's manifest.json: the one --out downloaded, else fetched alone (it holds
+    the verdicts, the targets not built and the benchmark). None where the job has none."""
+    if out is not None and (out / "manifest.json").is_file():
+        return json.loads((out / "manifest.json").read_text())
+    if not any(a["name"] == "manifest.json" for a in job.artifacts):
+        return None
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fxport-manifest-") as tmp:
+        job.download(tmp, names=["manifest.json"])
+        data = json.loads((Path(tmp) / "manifest.json").read_text())
+    return data if isinstance(data, dict) else None
+
+
+def _finish(command: str, job: Job, *, out: Path | None, as_json: bool, junit: Path | None,
+            timed_out: bool = False, cancelled: bool = False) -> int:
+    """Report a job the command followed: the result document (--json), the JUnit file, the CI
+    step summary, the human summary; the job's error on stderr. Returns the exit code."""
+    from fxport.ci_report import append_step_summary, write_junit
+    from fxport.results import from_job
+
     # With --out, job.wait(download_to=out) fetched what the job lists: every artifact, or the
     # manifest.json and report.html of a failed job (Job._download_outcome, one code path).
     paths: list[Path] = list(job.downloaded or []) if out is not None else []
-    if as_json:
-        doc = job.to_dict()
-        if job.upload is not None:
-            doc["upload"] = job.upload
-        if out is not None:
-            doc["downloaded"] = [str(p) for p in paths]
-        _emit_json(doc)
-    else:
-        _job_summary(job, out, Console())
+    manifest = _job_manifest(job, out) if job.terminal else None
     # A job that failed on invalid input exits 2, as `fxport convert` does on the same input.
-    return job_exit_code(job.state, job.error)
+    code = EXIT_TIMEOUT if timed_out else job_exit_code(job.state, job.error)
+    result = from_job(command, job.to_dict(), exit_code=code, manifest=manifest, timed_out=timed_out,
+                      cancelled=cancelled, upload=job.upload, downloaded=[str(p) for p in paths],
+                      manifest_path=str(out / "manifest.json") if out is not None and manifest else None)
+    if junit is not None:
+        write_junit(result, junit)
+    append_step_summary(result)
+    if as_json:
+        _emit_json(result.model_dump(mode="json"))
+    else:
+        _job_summary(job, out, Console(), manifest)
+        if out is not None and job.artifacts:
+            Console().print(f"artifacts in {out}/ (sha256 verified)")
+            if (out / "report.html").is_file():
+                Console().print(f"report: {out / 'report.html'}")
+    if timed_out:
+        what = "cancelled it" if cancelled else f"it is still {job.state} (stage {job.stage or '-'})"
+        print_error(_err, command, WaitTimeout(f"job {job.id} did not finish in time; {what}",
+                                               hint=None if cancelled else f"fxport jobs watch {job.id}"))
+    elif job.error:
+        e = job.error
+        print_error(_err, command, FxportError(f"job {job.id} {job.state}: {e['message']}",
+                                               stage=e["stage"] or None))
+    return code
+
+
+def _wait(job: Job, *, timeout: float | None, cancel_on_timeout: bool, out: Path | None) -> tuple[bool, bool]:
+    """Follow `job` to its end (progress on stderr). Returns (timed out, cancelled): after a
+    timeout the job is read again, so its last state is the real one, and cancelled if asked."""
+    try:
+        with StageProgress(_err) as progress:  # with --out, artifacts stored early come down meanwhile
+            job.wait(timeout=timeout, on_event=progress.on_job_event, download_to=out)
+        return False, False
+    except WaitTimeout:
+        job.refresh()
+        if cancel_on_timeout and not job.terminal:
+            job.cancel()
+            return True, True
+        return True, False
 
 
 # ---------------------------------------------------------------------------------------
@@ -151,9 +213,11 @@ def submit(
                                   "(same model, spec and toolchain); the fresh result replaces the cached one."),
     server: str = SERVER,
     token: str | None = TOKEN,
-    wait: bool = typer.Option(False, "--wait", help="Wait for the job to finish (implied by --out)."),
+    wait: bool = typer.Option(False, "--wait", help="Wait for the job to finish (implied by --out and --junit)."),
     timeout: float | None = typer.Option(None, "--timeout", help="Seconds to wait before giving up (exit 3)."),
+    cancel_on_timeout: bool = CANCEL_ON_TIMEOUT,
     out: Path | None = typer.Option(None, "--out", "-o", help="Download the artifacts here (sha256 checked)."),
+    junit: Path | None = JUNIT,
     as_json: bool = JSON_OUT,
 ) -> None:
     """Submit a model to an fxport server; with --wait/--out, follow it and fetch the artifacts."""
@@ -176,15 +240,18 @@ def submit(
                 _err.print(f"model uploaded straight to the object store; submitted job {job.id}")
             else:
                 _err.print(f"submitted job {job.id}")
-            if not (wait or out):
+            if not (wait or out or junit):
                 if as_json:
-                    _emit_json({**job.to_dict(), "upload": job.upload})
+                    from fxport.results import from_job
+
+                    _emit_json(from_job("submit", job.to_dict(), exit_code=EXIT_OK, upload=job.upload)
+                               .model_dump(mode="json"))
                 else:
                     print(job.id)
                 return EXIT_OK
-            with StageProgress(_err) as progress:  # with --out, artifacts stored early come down meanwhile
-                job.wait(timeout=timeout, on_event=progress.on_job_event, download_to=out)
-            return _finish(job, out=out, as_json=as_json)
+            timed_out, cancelled = _wait(job, timeout=timeout, cancel_on_timeout=cancel_on_timeout, out=out)
+            return _finish("submit", job, out=out, as_json=as_json, junit=junit, timed_out=timed_out,
+                           cancelled=cancelled)
 
     _run("submit", body, as_json)
 
@@ -249,10 +316,14 @@ def jobs_get(job_id: str, server: str = SERVER, token: str | None = TOKEN, as_js
     def body() -> int:
         with Client(server, token=token) as client:
             job = client.get(job_id)
-        if as_json:
-            _emit_json(job.to_dict())
-        else:
-            _job_summary(job, None, Console())
+            if as_json:
+                from fxport.results import from_job
+
+                manifest = _job_manifest(job, None) if job.terminal else None
+                _emit_json(from_job("jobs get", job.to_dict(), exit_code=EXIT_OK, manifest=manifest)
+                           .model_dump(mode="json"))
+            else:
+                _job_summary(job, None, Console())
         return EXIT_OK
 
     _run("jobs get", body, as_json)
@@ -262,6 +333,8 @@ def jobs_get(job_id: str, server: str = SERVER, token: str | None = TOKEN, as_js
 def jobs_watch(
     job_id: str,
     timeout: float | None = typer.Option(None, "--timeout", help="Seconds to wait (exit 3 after)."),
+    cancel_on_timeout: bool = CANCEL_ON_TIMEOUT,
+    junit: Path | None = JUNIT,
     server: str = SERVER,
     token: str | None = TOKEN,
     as_json: bool = JSON_OUT,
@@ -271,9 +344,9 @@ def jobs_watch(
     def body() -> int:
         with Client(server, token=token) as client:
             job = client.get(job_id)
-            with StageProgress(_err) as progress:
-                job.wait(timeout=timeout, on_event=progress.on_job_event)
-            return _finish(job, out=None, as_json=as_json)
+            timed_out, cancelled = _wait(job, timeout=timeout, cancel_on_timeout=cancel_on_timeout, out=None)
+            return _finish("jobs watch", job, out=None, as_json=as_json, junit=junit, timed_out=timed_out,
+                           cancelled=cancelled)
 
     _run("jobs watch", body, as_json)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from fxport.client.spec_options import NO_FLAGS, SpecFlags, with_spec_flags
 from fxport.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConversionFailed, FxportError, InvalidInput
 from fxport.spec import JobSpec, parse_spec
 
-STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark")
+STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark", "package")
 # Set once `convert --no-sandbox` has imported torch and run the engine in this process: the
 # console entry point (cli.main) then ends the process without Python's teardown.
 ENGINE_RAN_HERE = threading.Event()
@@ -49,7 +50,10 @@ def convert_command(
     flags: SpecFlags = NO_FLAGS,  # --spec, --target, --capture, ...: client/spec_options.py, shared with `submit`
     calibration: Path | None = typer.Option(None, "--calibration", help="Calibration data (.npz/.safetensors)."),
     out: Path = typer.Option(Path("fxport-out"), "--out", "-o", help="Output folder for artifacts + manifest.json."),
-    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout and nothing else."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result document on stdout and nothing else "
+                                 "(`fxport schema result`; the manifest is out/manifest.json)."),
+    junit: Path | None = typer.Option(None, "--junit", help="Write a JUnit XML report here: one testcase per "
+                                      "artifact check."),
     no_sandbox: bool = typer.Option(False, "--no-sandbox", help="Load and run the model in this process, outside "
                                     "the sandbox: only for a model you trust (it runs with your rights)."),
 ) -> None:
@@ -70,6 +74,7 @@ def convert_command(
     request = EngineRequest(model_path=model, spec=job_spec, out_dir=out, job_id=f"local-{uuid.uuid4().hex[:12]}",
                             calibration_path=calibration, deferred_targets=("tensorrt",) if no_engine else ())
     manifest: dict[str, Any] | None = None
+    started = time.time()
     try:
         # Progress goes to stderr with --json too, as `submit --wait --json` prints it.
         with StageProgress(err, enabled=True) as progress:
@@ -89,17 +94,19 @@ def convert_command(
         if no_engine is not None and exc.stage == "tensorrt":  # the CPU stage's only tensorrt step: the preflight
             exc = _preflight_rejected(out, exc, no_engine)
         written = _read_manifest(out)
-        if as_json and written is not None:
-            sys.stdout.write(json.dumps(written, indent=2, default=str) + "\n")
+        if written is not None:
+            _report(written, out, exit_code=exc.exit_code or EXIT_FAILED, as_json=as_json, junit=junit,
+                    started=started)
         _fail(exc, err, as_json, code=exc.exit_code, quiet_stdout=written is not None)
         return
     failure: FxportError | None = None
     if no_engine is not None:
         failure = _engine_not_built(out, no_engine, model)
         manifest = _read_manifest(out) or manifest
-    if as_json:
-        sys.stdout.write(json.dumps(manifest, indent=2, default=str) + "\n")
-    else:
+    assert manifest is not None
+    _report(manifest, out, exit_code=failure.exit_code if failure else EXIT_OK, as_json=as_json, junit=junit,
+            started=started)
+    if not as_json:
         from fxport.client.result_table import render_manifest
 
         render_manifest(manifest, Console())
@@ -108,6 +115,21 @@ def convert_command(
     if failure is not None:
         _fail(failure, err, as_json, code=failure.exit_code, quiet_stdout=True)
     raise typer.Exit(EXIT_OK)
+
+
+def _report(manifest: dict[str, Any], out: Path, *, exit_code: int, as_json: bool, junit: Path | None,
+            started: float) -> None:
+    """The conversion's result: as the result document (--json), a JUnit file, and the CI step summary."""
+    from fxport.ci_report import append_step_summary, write_junit
+    from fxport.results import from_manifest
+
+    result = from_manifest("convert", manifest, exit_code=exit_code, manifest_path=str(out / "manifest.json"),
+                           started=started, finished=time.time())
+    if as_json:
+        sys.stdout.write(result.to_json() + "\n")
+    if junit is not None:
+        write_junit(result, junit)
+    append_step_summary(result)
 
 
 def _fail(exc: FxportError, err: Console, as_json: bool, *, code: int, quiet_stdout: bool = False) -> None:

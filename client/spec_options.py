@@ -49,6 +49,9 @@ class SpecFlags:
                                      "(repeatable; ONNX and TensorRT; default output_0, ...).")
     benchmark: bool = _flag("--benchmark", default=False, help="Also measure every artifact's latency, throughput "
                             "and memory per batch size where the job runs, and recommend one.")
+    package: list[str] | None = _flag("--package", help="Also write a deployment package beside the artifacts "
+                                      "(repeatable): triton = a Triton model repository, checked against Triton's "
+                                      "ModelConfig, with sample requests and a model card.")
     label: list[str] | None = _flag("--label", help="KEY=VALUE label on the job (repeatable).")
 
     def to_spec(self) -> dict[str, Any]:
@@ -60,7 +63,7 @@ class SpecFlags:
         base = load_spec_file(self.spec) if self.spec else {}
         data = spec_from_flags(base, targets=self.target, inputs=self.input_, dynamic_batch=self.dynamic_batch,
                                passes=self.pass_, precision=self.precision, benchmark=self.benchmark,
-                               outputs=self.output)
+                               outputs=self.output, package=self.package)
         if self.capture is not None:
             data["capture"] = self.capture
         if self.label:

@@ -55,7 +55,8 @@ class JobState(str, Enum):
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 IN_FLIGHT_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
 KEEP_FOREVER = 1e12  # an input ledger entry's keep_until when inputs are kept for good (year 33658)
-STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark", "tensorrt", "upload")
+STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark", "package", "tensorrt",
+          "upload")
 
 
 class InputRef(BaseModel):

@@ -30,7 +30,7 @@ from fxport.text import printable
 # wrote, a job record read back from the store), whoever wrote it.
 PrintableText = Annotated[str, AfterValidator(printable)]
 
-SCHEMA_VERSION = 2  # 1: every manifest before the field existed (no `schema_version` key)
+SCHEMA_VERSION = 3  # 1: every manifest before the field existed (no `schema_version` key); 3: `signature`
 
 Status = Literal["running", "succeeded", "failed"]
 
@@ -112,6 +112,33 @@ class ErrorRecord(_Record):
     field: PrintableText | None = None
 
 
+class TensorSignature(_Record):
+    name: str
+    dtype: str | None = None
+    shape: list[int | str] | None = None  # a str is a dynamic dim of `Signature.dynamic_dims`; None: not known
+
+
+class BatchAxis(_Record):
+    """The model's batch axis: a dynamic dim that is dim 0 of every input and every output."""
+
+    dim: str | None = None  # None: the model has none, and `note` says why
+    min: int | None = None
+    opt: int | None = None
+    max: int | None = None
+    note: str = ""
+
+
+class Signature(_Record):
+    """What the model takes and returns, as every artifact of the job serves it (fp16 and int8
+    artifacts keep float32 inputs and outputs): names in order, dtypes, shapes with the dynamic
+    dims named, their ranges, and the batch axis (fxport/serving/signature.py)."""
+
+    inputs: list[TensorSignature] = Field(default_factory=list)
+    outputs: list[TensorSignature] = Field(default_factory=list)
+    dynamic_dims: dict[str, dict[str, int]] = Field(default_factory=dict)
+    batch: BatchAxis = Field(default_factory=BatchAxis)
+
+
 class Manifest(_Record):
     schema_version: int = 1  # absent in manifests written before versioning
     fxport_version: str | None = None
@@ -131,12 +158,14 @@ class Manifest(_Record):
     error: ErrorRecord | None = None
     inputs: dict[str, Any] | None = None  # the input signature (names, shapes, dynamic dims)
     outputs: list[dict[str, Any]] | None = None
+    signature: Signature | None = None  # inputs and outputs together, with the batch axis (schema 3)
     graph_before: dict[str, Any] | None = None
     graph_after: dict[str, Any] | None = None
     quantization: dict[str, Any] | None = None
     benchmark: dict[str, Any] | None = None
     tensorrt: dict[str, Any] | None = None
     sandbox: dict[str, Any] | None = None
+    package: dict[str, Any] | None = None  # what `spec.package` wrote: {"triton": TritonPackage.to_dict()}
 
     # -- reading and writing --------------------------------------------------------------
 

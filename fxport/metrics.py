@@ -38,7 +38,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 # and absent() work before the first job, and a typo in a caller shows up as a new series.
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
-STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark", "tensorrt", "upload")
+STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark", "package", "tensorrt",
+          "upload")
 QUEUES = ("cpu", "gpu")
 UPLOAD_KINDS = ("model", "calibration")
 # Why a sandbox child did not hand back a valid result. Anything else is counted as

@@ -412,15 +412,43 @@ def _parity_section(m: dict[str, Any]) -> str:
                          _status_cell(ok, {"passed": "pass", "failed": "FAIL"}.get(verdict, verdict)),
                          _e(s.get("error") or r.get("error") or "")])
             classes.append("ok" if ok else "fail")
-    head = ""
-    if tol:
-        head = (f'<p class="note">Tolerances: atol={_e(tol.get("atol"))}, rtol={_e(tol.get("rtol"))}, '
-                + (f'scale_atol={_e(tol.get("scale_atol"))} (× the output\'s largest magnitude), '
-                   if tol.get("scale_atol") is not None else "")
-                + f'min cosine={_e(tol.get("min_cosine"))}; {_e(records[0].get("samples"))} samples per artifact. '
-                "Diffs and cosine are the worst over the shapes checked.</p>")
+    head = _tolerances_note(records, tol)
     headers = ["artifact", "runtime", "shapes checked", "max abs diff", "max rel diff", "cosine", "result", "error"]
     return head + _table(headers, rows, table_id="parity-table", row_classes=classes)
+
+
+def _tolerances_text(tol: dict[str, Any]) -> str:
+    parts = [f"{name}={_e(tol[key])}" for key, name in (("atol", "atol"), ("rtol", "rtol")) if tol.get(key) is not None]
+    if tol.get("scale_atol") is not None:
+        parts.append(f"scale_atol={_e(tol.get('scale_atol'))} (× the output's largest magnitude)")
+    parts.append(f"min cosine={_e(tol.get('min_cosine'))}")
+    if tol.get("min_top1_agreement") is not None:
+        parts.append(f"min top-1 agreement={_e(tol.get('min_top1_agreement'))}")
+    if tol.get("atol") is None:  # int8: judged on cosine (and top-1) alone
+        parts.append("abs and rel diffs shown, not judged")
+    text = ", ".join(parts)
+    return text + (f"; rule: {_e(tol['rule'])}" if tol.get("rule") else "")
+
+
+def _tolerances_note(records: list[dict[str, Any]], spec_tol: dict[str, Any]) -> str:
+    """The tolerances each verdict used (a record's own: fp16 and int8 ones differ from the
+    spec's fp32 defaults), once when every artifact used the same, else per artifact."""
+    groups: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for r in records:
+        tol = r.get("tolerances") if isinstance(r.get("tolerances"), dict) else spec_tol
+        if not tol:
+            continue
+        key = json.dumps(tol, sort_keys=True, default=str)
+        groups.setdefault(key, (tol, []))[1].append(f"{r.get('format')} ({r.get('runtime')})")
+    if not groups:
+        return ""
+    lines = []
+    for tol, names in groups.values():
+        precision = f" ({_e(tol['precision'])})" if tol.get("precision") else ""
+        who = "" if len(groups) == 1 else f"{_e(', '.join(names))}: "
+        lines.append(f"{who}tolerances{precision}: {_tolerances_text(tol)}")
+    return (f'<p class="note">{"<br>".join(lines)}. {_e(records[0].get("samples"))} samples per artifact; diffs '
+            "and cosine are the worst over the shapes checked.</p>")
 
 
 def _benchmark_section(m: dict[str, Any]) -> str | None:

@@ -340,6 +340,10 @@ class JobSpec(_Strict):
     benchmark: BenchmarkOptions | None = Field(
         None, description="Measure latency, throughput and memory of every artifact and recommend one "
         "(`true` or a mapping of options; off when absent).")
+    package: list[Literal["triton"]] = Field(
+        default_factory=list, max_length=1, description="Deployment packages to write beside the artifacts: "
+        "triton = a Triton model repository (triton/, with sample requests and a model card) from the verified "
+        "onnx, torchscript and tensorrt artifacts (docs/serving.md).")
     limits: Limits = Field(default_factory=Limits)
     labels: dict[str, str] = Field(default_factory=dict, max_length=32)
 
@@ -634,6 +638,7 @@ def spec_from_flags(
     precision: str | None = None,
     benchmark: bool = False,
     outputs: list[str] | None = None,
+    package: list[str] | None = None,
 ) -> dict[str, Any]:
     """Overlay CLI flags on a spec mapping (flags win). Returns a mapping for `parse_spec`.
     `benchmark`: turn the benchmark on (with the spec file's options, or the defaults)."""
@@ -654,4 +659,6 @@ def spec_from_flags(
         data["benchmark"] = {}
     if outputs:
         data["outputs"] = list(outputs)
+    if package:
+        data["package"] = list(dict.fromkeys(package))
     return data

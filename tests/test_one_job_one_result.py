@@ -1,9 +1,9 @@
 """One job, one result, wherever it runs (issue 39): a job's outcome never depends on what ran
 before it, or on which path ran it.
 
-One set of job specs covering every engine feature (fp32 to every target; int8 with calibration;
-fp16; `capture: fx`; the eager fallback of a model no rung captures; `benchmark`; a dynamic
-transformer `.pt2`; an ONNX input model) runs along four paths:
+One set of job specs covering every engine feature (fp32 to every target, packaged for Triton; int8
+with calibration; fp16; `capture: fx`; the eager fallback of a model no rung captures; `benchmark`;
+a dynamic transformer `.pt2`; an ONNX input model) runs along four paths:
 
 - `convert`: `fxport convert`, each job in a cold sandbox (a fresh interpreter);
 - `no_sandbox`: `fxport convert --no-sandbox`, each job in the CLI's own process;
@@ -23,6 +23,8 @@ instead (`archive_content`):
   is not the same bytes from one process to the next: TorchScript names a class it compiles again
   `___torch_mangle_N` by a per-process counter, writes a class's constants in the order of a set
   (which follows the process's hash seed), and its `*.debug_pkl` entries hold source ranges.
+  A Triton repository's copy of it (`model.pt`) is compared the same way, and its model card
+  (`README.md`), which names each artifact's sha256, with those of the archives left out.
 The report is drawn from the manifest and is not an artifact.
 
 The matrix is what would have caught the fp32-then-int8 failure of a warm worker: the ONNX
@@ -55,7 +57,8 @@ FXPORT = [sys.executable, "-m", "fxport.client.cli"]
 BATCH = {"batch": {"min": 1, "opt": 2, "max": 4}}
 IMAGE = [{"name": "x", "shape": ["batch", 3, 32, 32], "dtype": "float32"}]
 REDIS_DB = 7  # the worker path's broker and job store (tests/security/test_isolation.py uses 1-4)
-ARCHIVES = {"model.ts", "model.pt2"}  # compared by content: see the module docstring
+# compared by content (see the module docstring): model.pt is the TorchScript model in a Triton repository
+ARCHIVES = {"model.ts", "model.pt2", "model.pt"}
 _GRAPH_ID = re.compile(rb'(graph_id[\\"]*: )[0-9]+')
 
 
@@ -69,7 +72,8 @@ class Case:
 
 CASES = [
     Case("fp32_all_targets", "cnn", {"inputs": IMAGE, "dynamic_dims": BATCH, "verify": {"samples": 2},
-                                     "targets": ["torchscript", "onnx", "exported_program", "fx_source"]}),
+                                     "targets": ["torchscript", "onnx", "exported_program", "fx_source"],
+                                     "package": ["triton"]}),
     Case("int8_calibrated", "cnn", {"inputs": IMAGE, "dynamic_dims": BATCH, "verify": {"samples": 2},
                                     "precision": "int8", "targets": ["onnx", "torchscript"]}, calibration=True),
     Case("fp16", "cnn", {"inputs": IMAGE, "dynamic_dims": BATCH, "verify": {"samples": 2},
@@ -98,7 +102,7 @@ def archive_content(path: Path) -> str:
     """A digest of a `.pt2` or TorchScript archive's content (the module docstring says which)."""
     digest = hashlib.sha256()
     with zipfile.ZipFile(path) as archive:
-        if path.suffix == ".ts":  # the weights, whichever entries TorchScript filed them under
+        if path.suffix in (".ts", ".pt"):  # the weights, whichever entries TorchScript filed them under
             for data in sorted(hashlib.sha256(archive.read(n)).digest() for n in archive.namelist()
                                if n.split("/")[-2:-1] == ["data"]):
                 digest.update(data)
@@ -128,10 +132,19 @@ class Outcome:
         manifest = json.loads((out / "manifest.json").read_text())
         error = manifest.get("error")
         artifacts = {}
+        archives = {a["sha256"] for a in manifest.get("artifacts", []) if Path(a["path"]).name in ARCHIVES}
         for artifact in manifest.get("artifacts", []):
             path = out / artifact["path"]
             assert hashlib.sha256(path.read_bytes()).hexdigest() == artifact["sha256"], path
-            artifacts[artifact["path"]] = archive_content(path) if artifact["path"] in ARCHIVES else artifact["sha256"]
+            if path.name in ARCHIVES:
+                artifacts[artifact["path"]] = archive_content(path)
+            elif path.name == "README.md":  # a model card: it names each archive's sha256, which differs as they do
+                text = path.read_text()
+                for digest in archives:
+                    text = text.replace(digest, "<an archive's sha256>")
+                artifacts[artifact["path"]] = "card:" + hashlib.sha256(text.encode()).hexdigest()
+            else:
+                artifacts[artifact["path"]] = artifact["sha256"]
         return cls(
             status=manifest["status"],
             error=(error.get("stage"), error.get("code")) if error else None,

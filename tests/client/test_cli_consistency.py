@@ -92,7 +92,7 @@ def test_a_state_dict_exits_2_from_convert_and_from_submit_wait(embedded_server,
     assert job["state"] == "FAILED" and (job["error"]["stage"], job["error"]["code"]) == ("load", "unsupported_format")
     assert "torch.save checkpoint" in job["error"]["message"]
     # following the finished job again gives the same code
-    watched = fxport("jobs", "watch", job["id"], "--server", embedded_server.address, cwd=tmp_path)
+    watched = fxport("jobs", "watch", job["job_id"], "--server", embedded_server.address, cwd=tmp_path)
     assert watched.returncode == 2, watched.stderr
 
 
@@ -137,7 +137,7 @@ def test_an_untraceable_model_exits_1_from_convert_and_from_submit_wait(embedded
     job = json.loads(remote.stdout)
     assert job["state"] == "FAILED" and (job["error"]["stage"], job["error"]["code"]) == ("capture", "capture_failed")
     _names_every_rung_and_the_line(job["error"]["message"], where)
-    watched = fxport("jobs", "watch", job["id"], "--server", embedded_server.address, cwd=tmp_path)
+    watched = fxport("jobs", "watch", job["job_id"], "--server", embedded_server.address, cwd=tmp_path)
     assert watched.returncode == 1, watched.stderr
 
 
@@ -218,8 +218,11 @@ def test_convert_json_prints_progress_on_stderr_as_submit_does(tensorrt_json) ->
 def test_convert_tensorrt_without_tensorrt_runs_the_cpu_stage_then_says_it_cannot_build(tensorrt_json) -> None:
     proc, out = tensorrt_json
     assert proc.returncode == 2, proc.stderr  # bad usage here: the model itself is fine
-    manifest = json.loads(proc.stdout)
-    assert manifest == json.loads((out / "manifest.json").read_text())
+    result = json.loads(proc.stdout)  # the result document, drawn from manifest.json
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert result["state"] == "FAILED" and result["exit_code"] == 2 and result["manifest"] == str(out / "manifest.json")
+    assert (result["error"]["stage"], result["error"]["code"]) == ("tensorrt", "unavailable_here")
+    assert {a["path"]: a["verdict"] for a in result["artifacts"]} == {"model.ts": "passed", "model.onnx": "passed"}
     # the CPU stage's work: the ONNX model the engine would be built from, preflighted; the rest verified
     assert {a["path"] for a in manifest["artifacts"]} == {"model.ts", "model.onnx"}
     assert {v["format"]: v["passed"] for v in manifest["verification"]} == {"torchscript": True, "onnx": True}

@@ -28,11 +28,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_pt2(get("cnn_bn"), tmp_path_factory.mktemp("cli") / "cnn.pt2")
 
 
-def test_convert_json_prints_only_the_manifest(model: Path, tmp_path: Path) -> None:
+def test_convert_json_prints_only_the_result_document(model: Path, tmp_path: Path) -> None:
     proc = run_cli("convert", str(model), "--target", "onnx", "--target", "torchscript", "--output", "logits",
                    "--out", str(tmp_path / "out"), "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    manifest = json.loads(proc.stdout)  # stdout is exactly one JSON document
+    result = json.loads(proc.stdout)  # stdout is exactly one JSON document: the result
+    assert {a["format"]: a["verdict"] for a in result["artifacts"] if a["checks"]} == {"onnx": "passed",
+                                                                                      "torchscript": "passed"}
+    manifest = json.loads(Path(result["manifest"]).read_text())
     assert {a["format"] for a in manifest["artifacts"]} == {"onnx", "torchscript"}
     assert [o["name"] for o in manifest["outputs"]] == ["logits"]  # --output names the ONNX output
     assert all(v["passed"] for v in manifest["verification"])
@@ -58,7 +61,8 @@ def test_capture_flag_chooses_the_capture_method(traceable_package: Path, captur
     proc = run_cli("convert", str(traceable_package), "--input", "x:2,3,8,8", "-t", "torchscript",
                    "--capture", capture, "--out", str(tmp_path / "o"), "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    manifest = json.loads(proc.stdout)
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert json.loads(proc.stdout)["state"] == "SUCCEEDED"
     assert manifest["spec"]["capture"] == capture
     assert (manifest["capture"]["method"], manifest["capture"]["level"]) == (capture, level)
     assert [a["method"] for a in manifest["capture"]["attempts"]] == [capture]  # that rung only
@@ -200,7 +204,7 @@ def test_convert_no_sandbox_ends_when_done_though_the_model_left_a_thread(tmp_pa
                            str(tmp_path / "o"), "--no-sandbox", "--json"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "LINGER_FOR_TEST": "1"})
     assert proc.returncode == 0, proc.stderr
-    assert all(v["passed"] for v in json.loads(proc.stdout)["verification"])
+    assert all(a["verdict"] == "passed" for a in json.loads(proc.stdout)["artifacts"] if a["checks"])
 
 
 def test_convert_benchmark_recommends_the_fastest_verified_artifact(tmp_path: Path) -> None:

@@ -55,7 +55,9 @@ def test_thirty_jobs_survive_five_random_worker_kills(fault_stack, clean_run, ti
                      and not hits[rec.id] and Path(f"/proc/{pool_pid(rec)}").exists()]
             return rng.choice(found) if found else None
 
-        rec = wait_until(running_job, deadline(1, cold=1), "a running job to kill", every=0.05)
+        # The next job to run may be one a killed worker had taken: it comes back after the redelivery bound.
+        rec = wait_until(running_job, deadline(1, cold=1, plus=REDELIVERY_BOUND_S), "a running job to kill",
+                         every=0.05)
         if kind == "pool child":
             os.kill(pool_pid(rec), signal.SIGKILL)
         else:

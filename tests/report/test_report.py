@@ -84,6 +84,24 @@ def test_parity_table_one_row_per_artifact_coloured(manifest: dict[str, Any]) ->
     assert "[4, 3, 64, 64]" in text  # every shape checked is listed
 
 
+def test_the_parity_header_states_the_tolerances_each_verdict_used(manifest: dict[str, Any]) -> None:
+    """An int8 job is judged by int8's tolerances (cosine), not the spec's fp32 atol: each record
+    carries the ones its verdict used (precision.Tolerances.as_dict), and the header says those."""
+    int8 = {"precision": "int8", "min_cosine": 0.98, "max_unmatched_detections": 0}
+    for record in manifest["verification"]:
+        record["tolerances"] = int8
+    text, _ = _index(manifest)
+    note = re.search(r"tolerances \(int8\): ([^<]*)", text)
+    assert note, "no int8 tolerances in the parity header"
+    assert "min cosine=0.98" in note.group(1) and "not judged" in note.group(1) and "atol" not in note.group(1)
+    assert "atol=0.0001" not in text  # the spec's fp32 default, which no verdict used
+
+    manifest["verification"][0]["tolerances"] = {"precision": "fp32", "atol": 1e-4, "rtol": 1e-3, "min_cosine": 0.999}
+    text, _ = _index(manifest)  # two sets: each named with its artifacts
+    assert "torchscript (torch.jit): tolerances (fp32): atol=0.0001" in text
+    assert "onnx (onnxruntime), " in text and "tolerances (int8)" in text
+
+
 def test_parity_rows_per_shape_when_the_manifest_breaks_them_down(manifest: dict[str, Any]) -> None:
     rec = manifest["verification"][0]
     rec["per_shape"] = [{"shape": s, "max_abs_diff": 1e-6, "max_rel_diff": 1e-5, "cosine": 1.0, "passed": i != 2}

@@ -74,7 +74,9 @@ class QuotaServer:
 
 
 @pytest.fixture()
-def server(redis_server, s3_server, tmp_path) -> Iterator[QuotaServer]:
+def server(redis_server, s3_server, tmp_path, monkeypatch) -> Iterator[QuotaServer]:
+    for key, value in s3_server.env().items():  # the API's S3Store and the test's: the session's SeaweedFS
+        monkeypatch.setenv(key, value)
     tokens = {t: new_token() for t in ("alice", "bob")}
     (tmp_path / "tokens").write_text("".join(token_entry(t, tok) + "\n" for t, tok in tokens.items()))
     url = redis_server.url.rsplit("/", 1)[0] + f"/{REDIS_DB}"

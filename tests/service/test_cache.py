@@ -328,7 +328,7 @@ def test_cli_reports_cache_hit_and_skipped_upload(cache_api, first_job, tiny_pt2
     doc = json.loads(forced.stdout)
     assert not doc["cache_hit"] and doc["state"] in ("QUEUED", "RUNNING")
     with cache_api.client() as c:
-        c.cancel(doc["id"])
+        c.cancel(doc["job_id"])
 
 
 def test_cross_tenant_sharing_when_the_operator_enables_it(tmp_path, tiny_pt2):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import subprocess
 import sys
 
 import pytest
+
+from fxport.storage import artifact_key
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +24,9 @@ def test_cli_submit_wait_out_json_on_embedded_server(embedded_server, tiny_pt2, 
     res = fxport("submit", str(tiny_pt2), "--target", "onnx", "--target", "fx_source", "--label", "suite=embedded",
                  "--server", embedded_server.address, "--wait", "--out", str(out), "--json")
     assert res.returncode == 0, res.stderr
-    doc = json.loads(res.stdout)  # exactly one JSON document on stdout
+    doc = json.loads(res.stdout)  # exactly one JSON document on stdout: the result (fxport schema result)
     assert doc["state"] == "SUCCEEDED" and doc["labels"] == {"suite": "embedded"}
-    by_name = {a["name"]: a for a in doc["artifacts"]}
+    by_name = {a["path"]: a for a in doc["artifacts"]}
     assert "model.onnx" in by_name and "manifest.json" in by_name and "report.html" in by_name
     assert any(n.startswith("fx_source/") for n in by_name)
     for name, art in by_name.items():
@@ -37,14 +38,14 @@ def test_cli_submit_wait_out_json_on_embedded_server(embedded_server, tiny_pt2, 
     # Embedded state lives under FXPORT_HOME: SQLite job store + filesystem artifact store.
     home = embedded_server.home
     assert (home / "jobs.db").is_file()
-    onnx_key = by_name["model.onnx"]["key"]
+    onnx_key = artifact_key("default", doc["job_id"], "model.onnx")
     assert (home / "store" / "objects" / onnx_key).read_bytes() == (out / "model.onnx").read_bytes()
 
     listed = json.loads(fxport("jobs", "list", "--label", "suite=embedded", "--server", embedded_server.address,
                                "--json").stdout)
-    assert [j["id"] for j in listed["jobs"]] == [doc["id"]]
+    assert [j["id"] for j in listed["jobs"]] == [doc["job_id"]]
     again = tmp_path / "again"
-    res = fxport("jobs", "download", doc["id"], "--out", str(again), "--name", "model.onnx",
+    res = fxport("jobs", "download", doc["job_id"], "--out", str(again), "--name", "model.onnx",
                  "--server", embedded_server.address)
     assert res.returncode == 0, res.stderr
     assert (again / "model.onnx").read_bytes() == (out / "model.onnx").read_bytes()
@@ -58,7 +59,7 @@ def test_cli_submit_wait_out_json_on_embedded_server(embedded_server, tiny_pt2, 
     from fxport.client import Client, RequestRefused
 
     with Client(embedded_server.address) as c, pytest.raises(RequestRefused, match="presigned"):
-        c.artifact_url(doc["id"], "model.onnx")
+        c.artifact_url(doc["job_id"], "model.onnx")
 
 
 def test_cli_exit_codes(embedded_server, tiny_pt2, tmp_path):
@@ -83,9 +84,10 @@ def test_cli_exit_codes(embedded_server, tiny_pt2, tmp_path):
     res = fxport("submit", str(slow), "--target", "onnx", "--server", embedded_server.address,
                  "--wait", "--timeout", "1", "--json")
     assert res.returncode == 3, res.stderr
-    still_running = re.search(r"job (\S+) did not finish", res.stdout)
-    assert still_running, res.stdout
-    assert fxport("jobs", "cancel", still_running.group(1), "--server", embedded_server.address).returncode == 0
+    still_running = json.loads(res.stdout)  # the result document names the job and its real state
+    assert still_running["timed_out"] and still_running["state"] == "RUNNING" and still_running["exit_code"] == 3
+    assert f"job {still_running['job_id']} did not finish in time; it is still RUNNING" in res.stderr
+    assert fxport("jobs", "cancel", still_running["job_id"], "--server", embedded_server.address).returncode == 0
     # 2: the job failed on invalid input (a model file that is not a model), as convert exits.
     junk = tmp_path / "junk.pt2"
     junk.write_bytes(b"not a model at all")

@@ -39,6 +39,7 @@ from fxport.manifest import (
     PassRecord,
     VerificationRecord,
 )
+from fxport.serving.signature import model_signature
 from fxport.spec import JobSpec
 from fxport.toolchain import manifest_toolchain
 from fxport.workers.engine.capture import (
@@ -159,6 +160,8 @@ def convert_request(request: EngineRequest, *, on_progress: ProgressFn | None = 
         manifest.status, manifest.error = "failed", ErrorRecord.model_validate(err.to_dict())
         raise err from exc
     finally:
+        if manifest.signature is None:
+            manifest.signature = model_signature(manifest.inputs, manifest.outputs)
         manifest.write(out_dir / "manifest.json")
         if report:
             _write_report(out_dir / "manifest.json", manifest)
@@ -192,6 +195,11 @@ def _convert(run: _Run) -> None:
             }
             manifest.warnings.extend(sig.notes)
     if loaded.format == "onnx":
+        if spec.package:
+            raise InvalidInput(f"package {spec.package[0]} needs the PyTorch model: a package serves artifacts "
+                               "verified against it and samples of its outputs, and an ONNX upload is copied as it "
+                               "is", stage="load", field="package",
+                               hint="upload the .pt2 (or torch.package) to package it, or drop `package`")
         if spec.precision != "fp32" and request.needs_tensorrt_onnx:
             if "onnx" in spec.targets:
                 run.warn(f"precision {spec.precision} applies to the TensorRT engine; model.onnx is "
@@ -255,6 +263,39 @@ def _convert(run: _Run) -> None:
             trt_scheme = reduced.scheme_of("tensorrt") if reduced else None
             manifest.artifacts.extend(_artifact_records("tensorrt", engine, out_dir, int8_scheme=trt_scheme))
             _benchmark_engine(run, engine, sig, spec)
+
+    if "triton" in spec.package:
+        with run.stage("package", "triton"):
+            _package_triton(run, checks)
+
+
+def _package_triton(run: _Run, checks: _Checks) -> None:
+    """samples.npz (the first input verification checked every artifact with, and the original
+    model's outputs for it), then the Triton repository under triton/ from the verified artifacts
+    (fxport/serving/triton.py), every file of it an artifact of the job."""
+    import numpy as np
+
+    from fxport.serving.triton import MODEL_NAME_RE, SAMPLES, write_samples, write_triton_repository
+
+    manifest, out_dir = run.manifest, run.out_dir
+    manifest.signature = model_signature(manifest.inputs, manifest.outputs)
+    assert manifest.signature is not None  # a model with no input signature never gets here
+    point = checks.points[0]
+    arrays = {f"inputs/{t.name}": np.asarray(a) for t, a in zip(manifest.signature.inputs, point.args)}
+    arrays.update({f"outputs/{t.name}": np.asarray(a)
+                   for t, a in zip(manifest.signature.outputs, checks.reference.infer(point.args))})
+    write_samples(out_dir / SAMPLES, arrays)
+    manifest.artifacts.extend(_records_of([("samples", out_dir / SAMPLES, None)], out_dir))
+    # The repository's model names: the job's label `model` where it makes a Triton name, else "model".
+    name = manifest.spec.get("labels", {}).get("model") or "model"
+    shutil.rmtree(out_dir / "triton", ignore_errors=True)  # an earlier convert's, in the same --out
+    package = write_triton_repository(out_dir, name if MODEL_NAME_RE.match(name) else "model", out_dir / "triton",
+                                      manifest=manifest)
+    files = sorted(p for p in (out_dir / "triton").rglob("*") if p.is_file())
+    manifest.artifacts.extend(_records_of([("triton", f, None) for f in files], out_dir))
+    manifest.package = {"triton": package.to_dict()}
+    for note in package.notes:
+        run.warn(f"triton package: {note}")
 
 
 def _capture(run: _Run, loaded: LoadedModel, sig: InputSignature, spec: JobSpec
