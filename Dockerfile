@@ -48,7 +48,7 @@ COPY client ./client
 COPY proto ./proto
 
 FROM build-base AS build-api
-RUN pip install "./[server]"
+RUN pip install "./[server,tracing]"
 
 FROM build-base AS build-worker-cpu
 ARG TORCH_VERSION
@@ -56,7 +56,7 @@ ARG TORCH_CPU_INDEX
 # torch first, from the CPU index: the [worker] extra pins torch==2.13.0, which the
 # 2.13.0+cpu wheel satisfies, so the second install keeps it instead of pulling CUDA.
 RUN pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}" \
- && pip install "./[worker]"
+ && pip install "./[worker,tracing]"
 
 
 # ---------------------------------------------------------------- runtime (CPU base)
@@ -119,7 +119,7 @@ COPY client ./client
 COPY proto ./proto
 RUN python3 -m venv --without-pip --system-site-packages /opt/venv \
  && python3 -m pip --python /opt/venv/bin/python install --index-url "${TORCH_CUDA_INDEX}" "torch==${TORCH_VERSION}" \
- && python3 -m pip --python /opt/venv/bin/python install "./[worker]" \
+ && python3 -m pip --python /opt/venv/bin/python install "./[worker,tracing]" \
  && /opt/venv/bin/python -c "import tensorrt, torch; print('tensorrt', tensorrt.__version__, 'torch', torch.__version__)"
 
 # NVIDIA's image is a development image (it ships compilers we cannot strip without

@@ -30,6 +30,7 @@ from fxport.client.errors import (
     AuthFailed,
     IntegrityError,
     JobNotFound,
+    QueueFull,
     RequestRefused,
     ServerBusy,
     ServerUnreachable,
@@ -40,5 +41,5 @@ from fxport.errors import FxportError
 
 __all__ = [
     "Client", "Job", "JobEvent", "JobPage", "FxportError", "ServerUnreachable", "AuthFailed", "JobNotFound",
-    "TooLarge", "RequestRefused", "ServerBusy", "WaitTimeout", "IntegrityError", "DEFAULT_SERVER",
+    "TooLarge", "RequestRefused", "ServerBusy", "QueueFull", "WaitTimeout", "IntegrityError", "DEFAULT_SERVER",
 ]

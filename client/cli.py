@@ -13,6 +13,7 @@ works from the base install.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -423,7 +424,14 @@ def serve(
         _err.print(f"[red]fxport serve: error:[/] invalid settings: {escape(str(exc))}")
         raise typer.Exit(EXIT_USAGE) from None
     configure_logging(settings.log_level, settings.log_format)
+    from fxport import tracing
     from fxport.service.server import create_server
+
+    try:
+        tracing.configure(settings.otlp_endpoint, "fxport-api")
+    except RuntimeError as exc:
+        _err.print(f"[red]fxport serve: error:[/] {escape(str(exc))}")
+        raise typer.Exit(EXIT_USAGE) from None
 
     try:
         server, port = create_server(settings)
@@ -433,7 +441,15 @@ def serve(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
+    from fxport.metrics import MetricsPortUnavailable
+
+    try:
+        server.start()
+    except MetricsPortUnavailable as exc:
+        server.stop(grace=0)
+        _err.print(f"[red]fxport serve: error:[/] {escape(str(exc))}; choose another FXPORT_METRICS_PORT (0 = any "
+                   "free port, logged)", highlight=False)
+        raise typer.Exit(EXIT_USAGE) from None
     mode = "embedded" if settings.embedded else "distributed"
     print(f"fxport serving on {server.address} ({mode}; store {settings.store_url()})", flush=True)
     if ready_file is not None:
@@ -473,22 +489,39 @@ def worker(
         _err.print("[red]fxport worker: error:[/] a worker needs a broker: --broker redis://… or FXPORT_BROKER_URL")
         raise typer.Exit(EXIT_USAGE)
     settings = Settings()
-    metrics_port = settings.metrics_port
+    from fxport.logs import configure_logging
+
+    # Before Celery starts: its warnings (running as root, ...) are log records from the first one.
+    configure_logging(settings.log_level, settings.log_format)
+    if settings.log_format == "json":
+        import celery.apps.worker
+
+        # Celery prints its shutdown notices ("Warm shutdown", ...) to stderr as plain text: log them instead.
+        celery.apps.worker.safe_say = lambda msg, f=None: logging.getLogger("celery.worker").info(msg.strip())
+    metrics_port, port_setting = settings.worker_metrics
     if metrics_port is not None:
         # Tasks run in pool child processes: they record into files that the main process's
         # /metrics sums. The directory must be chosen before prometheus_client is imported.
         import tempfile
 
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="fxport-metrics-"))
-        from fxport.metrics import reset_multiprocess_dir, start_metrics_server
+        from fxport.metrics import MetricsPortUnavailable, reset_multiprocess_dir, start_metrics_server
 
         reset_multiprocess_dir()
-        start_metrics_server(metrics_port, addr=settings.metrics_bind_address(api=False))
+        try:
+            start_metrics_server(metrics_port, addr=settings.metrics_bind_address(api=False))
+        except MetricsPortUnavailable as exc:
+            _err.print(f"[red]fxport worker: error:[/] {escape(str(exc))}; choose another {port_setting} (0 = any free "
+                       "port, logged; FXPORT_WORKER_METRICS_PORT sets the worker's apart from the API's)",
+                       highlight=False)
+            raise typer.Exit(EXIT_USAGE) from None
     import fxport.workers.tasks  # noqa: F401  (registers the tasks)
     from fxport.workers.celery_app import app as celery_app
 
     argv = ["worker", "-Q", ",".join(wanted), "-c", str(concurrency), "--pool", pool, "-l", loglevel,
             "--without-mingle", "--without-gossip", "-n", hostname or f"fxport-{'-'.join(wanted)}-{os.getpid()}@%h"]
+    if settings.log_format == "json":
+        argv.insert(0, "--quiet")  # Celery's own option: no startup banner, every line on stderr a JSON record
     celery_app.worker_main(argv)
 
 

@@ -29,6 +29,8 @@ from fxport.client.errors import (
     WaitTimeout,
     from_rpc_error,
     is_busy,
+    is_queue_full,
+    retry_after,
 )
 from fxport.digest import remembered_sha256, write_checked
 from fxport.errors import InvalidInput
@@ -458,7 +460,8 @@ class Client:
 
     def __init__(self, target: str | None = None, token: str | None = None, tls: Any = None, *,
                  timeout: float = 30.0, reconnect_s: float = 60.0, chunk_size: int = CHUNK,
-                 retry_s: float = 30.0, direct_download: bool | None = None, direct_upload: bool = True) -> None:
+                 retry_s: float = 30.0, direct_download: bool | None = None, direct_upload: bool = True,
+                 queue_wait_s: float = 300.0) -> None:
         """`direct_download`: fetch artifacts straight from the object store through presigned
         URLs (GetArtifactUrl) instead of through the server. None (default): when the server
         can presign and the store answers from here, else through the server; True: only
@@ -467,6 +470,10 @@ class Client:
         `direct_upload`: PUT a model (or calibration file) the server offers a presigned URL for
         straight to the object store; when that fails, and from then on with this client, the
         bytes go through the server. False: always through the server.
+
+        `queue_wait_s`: how long a submit waits for room when the tenant already has as many jobs
+        queued or running as the server allows, resubmitting after each `retry-after` the server
+        sends; past it QueueFull. 0: at once.
 
         With no `target` or `token`, FXPORT_SERVER and FXPORT_TOKEN are read, as the CLI reads
         them (default server: 127.0.0.1:50051, the embedded default)."""
@@ -479,6 +486,7 @@ class Client:
         self.timeout = timeout
         self.reconnect_s = reconnect_s
         self.retry_s = retry_s
+        self.queue_wait_s = queue_wait_s
         self.chunk_size = chunk_size
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)]
         if tls:
@@ -511,6 +519,12 @@ class Client:
             try:
                 return attempt()
             except grpc.RpcError as err:
+                if is_queue_full(err):  # the tenant's own queue: room comes as its jobs finish
+                    wait = retry_after(err) or delay
+                    if time.monotonic() - started + wait > self.queue_wait_s:
+                        raise
+                    time.sleep(wait * random.uniform(0.8, 1.2))
+                    continue
                 if is_busy(err):  # shared capacity taken (a stream slot, spool space): it frees as calls end
                     budget = self.retry_s
                 elif err.code() != grpc.StatusCode.UNAVAILABLE:

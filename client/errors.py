@@ -68,6 +68,33 @@ class ServerBusy(FxportError):
 
 # The trailing metadata of a call refused while shared capacity was taken (service/limits.py).
 BUSY_METADATA = ("fxport-retry", "busy")
+# ... and of a submit refused because the tenant's jobs in flight are at their limit.
+QUEUE_FULL_METADATA = ("fxport-retry", "queue-full")
+
+
+class QueueFull(ServerBusy):
+    """RESOURCE_EXHAUSTED marked `fxport-retry: queue-full`: the tenant already has as many jobs
+    QUEUED or RUNNING as the server allows (FXPORT_MAX_JOBS_IN_FLIGHT), for as long as the client
+    waited (`Client(queue_wait_s=...)`), resubmitting after each `retry-after`. Exit 4: the
+    request was fine, the tenant's queue full."""
+
+    code = "queue_full"
+
+
+def is_queue_full(err: grpc.RpcError) -> bool:
+    return (err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and QUEUE_FULL_METADATA in tuple(err.trailing_metadata() or ()))
+
+
+def retry_after(err: grpc.RpcError) -> float | None:
+    """The `retry-after` seconds a refusal carries, if any."""
+    for key, value in tuple(err.trailing_metadata() or ()):
+        if key == "retry-after":
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                return None
+    return None
 
 
 def is_busy(err: grpc.RpcError) -> bool:
@@ -126,6 +153,9 @@ def from_rpc_error(err: grpc.RpcError, target: str = "") -> FxportError:
     if code == grpc.StatusCode.NOT_FOUND:
         return JobNotFound(text)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if is_queue_full(err):
+            return QueueFull(text, hint="wait for some of the tenant's jobs to finish (or cancel some); the fxport "
+                                        "client resubmits for up to Client(queue_wait_s=...) first")
         if is_busy(err):
             return ServerBusy(f"fxport server {target} busy: {text}",
                               hint="retry later; the server's operator can raise the limit it names, or run more "

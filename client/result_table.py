@@ -58,7 +58,8 @@ def render_manifest(manifest: dict[str, Any], console: Console) -> None:
                 verdict, f"[red]FAIL[/] {v.get('error', '')}")
             cols = [f"{v.get('max_abs_diff', 0):.1e}", f"{v.get('cosine', 0):.6f}",
                     str(len(v.get("shapes_checked", [])))]
-        digest = art["sha256"][:10] + ("" if art["files"] == 1 else f" +{art['files'] - 1}")
+        # A folder (fx_source/, triton/) has a digest per file, in manifest.json: no one of them stands for it.
+        digest = art["sha256"][:10] if art["files"] == 1 else f"{art['files']} files"
         table.add_row(art["path"], _size(art["bytes"]), digest, *cols, parity)
     for missing in manifest.get("failed_targets") or []:
         table.add_row(str(missing.get("target")), "", "", "", "", "", f"[red]not built[/] {missing.get('reason', '')}")

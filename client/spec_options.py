@@ -40,6 +40,8 @@ class SpecFlags:
     input_: list[str] | None = _flag("--input", help="Input NAME:DIMS[:DTYPE], e.g. x:batch,3,224,224 "
                                      "(repeatable, in forward()'s order).")
     dynamic_batch: str | None = _flag("--dynamic-batch", help="Range of the 'batch' dim, MIN:OPT:MAX.")
+    dynamic_dim: list[str] | None = _flag("--dynamic-dim", help="Range of any dynamic dim an --input names, "
+                                          "NAME=MIN:OPT:MAX (repeatable), e.g. seq=1:128:512.")
     capture: str | None = _flag("--capture", help=f"How the model becomes a graph: {' | '.join(CAPTURE_METHODS)}. "
                                 "auto tries torch.fx.symbolic_trace, then torch.export; fx and export use "
                                 "only that one (default: the spec file's, else auto).")
@@ -62,6 +64,7 @@ class SpecFlags:
                                field="capture", hint="auto (the default) tries each in turn")
         base = load_spec_file(self.spec) if self.spec else {}
         data = spec_from_flags(base, targets=self.target, inputs=self.input_, dynamic_batch=self.dynamic_batch,
+                               dynamic_dims=self.dynamic_dim,
                                passes=self.pass_, precision=self.precision, benchmark=self.benchmark,
                                outputs=self.output, package=self.package)
         if self.capture is not None:

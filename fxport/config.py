@@ -34,7 +34,18 @@ class Settings(BaseSettings):
     embedded_workers: int = Field(2, ge=1, description="Concurrent jobs in the embedded worker pool.")
     job_soft_time_limit_s: int = Field(1800, description="Soft per-job limit: the job FAILS cleanly, naming the stage.")
     job_hard_time_limit_s: int = Field(2100, description="Hard per-job limit: the worker process is killed.")
-    metrics_port: int | None = Field(None, description="Serve Prometheus metrics on this port (unset = off).")
+    metrics_port: int | None = Field(None, description="The API serves Prometheus metrics on this port (unset = "
+                                     "off; 0 = any free port, logged). Workers too, unless worker_metrics_port is set.")
+    worker_metrics_port: int | None = Field(
+        None, description="A worker serves Prometheus metrics on this port (unset = metrics_port's): set it where an "
+        "API and a worker share a host, or two workers do.")
+
+    @property
+    def worker_metrics(self) -> tuple[int | None, str]:
+        """The port a worker's /metrics listens on, and the setting that chose it."""
+        if self.worker_metrics_port is not None:
+            return self.worker_metrics_port, "FXPORT_WORKER_METRICS_PORT"
+        return self.metrics_port, "FXPORT_METRICS_PORT"
     metrics_host: str | None = Field(
         None, description="Address the metrics endpoint binds. Unset: every address in a Kubernetes pod "
         "(KUBERNETES_SERVICE_HOST is set), where Prometheus and the kubelet's probes reach the pod IP; loopback "
@@ -65,11 +76,20 @@ class Settings(BaseSettings):
         "reflection, which need no token, share one such count); past it RESOURCE_EXHAUSTED, and the fxport client "
         "retries, following a job by polling meanwhile. The default lets one tenant's 32 CI pipelines each watch "
         "a job, and leaves 16 of the default 48 stream slots to the other tenants.")
+    max_uploads_per_tenant: int = Field(
+        8, ge=1, description="SubmitJob streams one tenant may have open at once on an API process. They are "
+        "counted apart from its other streams (WatchJob, DownloadArtifact: max_streams_per_tenant), so a burst of CI "
+        "pipelines waiting on their jobs never leaves their own submits without a slot; past it RESOURCE_EXHAUSTED, "
+        "which the fxport client retries. The server's total of streams covers both.")
     max_calls_per_tenant: int | None = Field(
         None, ge=1, description="Calls that answer at once (GetJob, ListJobs, CancelJob, CheckUpload, GetArtifactUrl) "
         "one tenant may have in progress on an API process at once (unset: an eighth of grpc_max_workers, at least "
         "2: 8 by default); past it RESOURCE_EXHAUSTED, which the fxport client retries. Health and reflection are "
         "not counted.")
+    otlp_endpoint: str | None = Field(
+        None, description="OpenTelemetry collector (OTLP/HTTP, e.g. http://otel-collector:4318): the API and the "
+        "workers export a trace of every job there, SubmitJob to the last stage, with job_id and tenant (needs the "
+        "`tracing` extra). Unset = no tracing, and nothing of OpenTelemetry is loaded.")
     log_level: str = Field("INFO", description="Log level of the server and workers.")
     log_format: str = Field("json", description="json (one object per line, with job_id) or text.")
     work_dir: Path | None = Field(None, description="Scratch space for worker jobs (default: system temp).")

@@ -122,6 +122,9 @@ class JobRecord(BaseModel):
     artifacts_of: str | None = Field(
         None, description="A cache hit: the job whose artifacts it shares. They are kept while any job sharing "
                           "them is (JobStore.remove).")
+    trace_context: dict[str, str] | None = Field(
+        None, description="The submit's trace (W3C traceparent), which every worker that runs the job continues "
+                          "(fxport/tracing.py); None when tracing is off.")
 
     @property
     def terminal(self) -> bool:

@@ -59,3 +59,5 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # Python's warnings (a library's DeprecationWarning, ...) become log records, JSON like the rest.
+    logging.captureWarnings(True)

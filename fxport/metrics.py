@@ -23,6 +23,8 @@ Needs the `[server]` extra (prometheus-client); the thin client never imports it
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import platform
 import time
@@ -33,6 +35,8 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
+
+log = logging.getLogger(__name__)
 
 # Label values, written out so every series exists (at 0) from the first scrape: rate()
 # and absent() work before the first job, and a typo in a caller shows up as a new series.
@@ -374,8 +378,27 @@ def start_metrics_server(
         else:
             registry = REGISTRY
         METRICS.set_build_info()
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise MetricsPortUnavailable(port, addr, exc) from None
+    log.info("metrics on http://%s:%d/metrics", addr, server.server_port,
+             extra={"metrics_port": server.server_port, "metrics_addr": addr})
     return server, server.server_port
+
+
+class MetricsPortUnavailable(OSError):
+    """/metrics could not listen where it was told: one line that says where, why and what to set."""
+
+    def __init__(self, port: int, addr: str, cause: OSError) -> None:
+        busy = cause.errno == errno.EADDRINUSE
+        why = "another process listens there" if busy else (cause.strerror or str(cause))
+        self.message = f"cannot serve metrics on {addr}:{port}: {why}"
+        super().__init__(cause.errno, self.message)
+        self.port, self.addr, self.busy = port, addr, busy
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def job_running(queue: str) -> contextlib.AbstractContextManager[None]:

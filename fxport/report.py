@@ -301,10 +301,14 @@ def _input_section(m: dict[str, Any]) -> str:
     ], table_id="input-table")
     sig = m.get("inputs") or {}
     if sig.get("inputs"):
-        out += "<h3>Input signature</h3>" + _table(
-            ["name", "shape", "dtype"],
-            [[_e(i.get("name")), _code(_shape(i.get("shape"))), _e(i.get("dtype"))] for i in sig["inputs"]],
-            table_id="signature-table")
+        rows = [["input", _e(i.get("name")), _code(_shape(i.get("shape"))), _e(i.get("dtype"))] for i in sig["inputs"]]
+        rows += [["output", _e(o.get("name")), _code(_shape(o.get("shape"))) if o.get("shape") is not None
+                  else '<span class="note">not recorded</span>', _e(o.get("dtype"))]
+                 for o in (m.get("outputs") or []) if isinstance(o, dict)]
+        out += "<h3>Signature</h3>" + _table(["", "name", "shape", "dtype"], rows, table_id="signature-table")
+        batch = (m.get("signature") or {}).get("batch") or {}
+        if batch.get("note"):
+            out += f'<p class="note" id="batch-axis">Batch axis: {_e(batch["note"])}.</p>'
     dyn = sig.get("dynamic_dims") or {}
     if dyn:
         out += "<h3>Dynamic dimensions</h3>" + _table(
@@ -321,10 +325,22 @@ def _toolchain_section(m: dict[str, Any]) -> str:
 
 def _spec_section(m: dict[str, Any]) -> str:
     spec = m.get("spec") or {}
-    rows = [[_e(k), _code(json.dumps(v, default=str))] for k, v in spec.items()]
+    rows = [[_code(k), _e(v)] for k, v in _flat(spec)]
     return (_table(["field", "value"], rows, table_id="spec-table")
             + "<details><summary>Normalized job spec as JSON</summary>"
             f'<pre id="spec-json">{_e(json.dumps(spec, indent=2, default=str))}</pre></details>')
+
+
+def _flat(value: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """A spec as rows a person reads: nested keys dotted (`verify.atol`), a list of scalars
+    comma-joined, a list of mappings (inputs, passes) one row per item, an empty value "—"."""
+    if isinstance(value, dict) and value:
+        return [row for k, v in value.items() for row in _flat(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(value, list) and value and any(isinstance(v, dict) for v in value):
+        return [row for i, v in enumerate(value) for row in _flat(v, f"{prefix}[{i}]")]
+    if isinstance(value, list):
+        return [(prefix, ", ".join(str(v) for v in value) or "—")]
+    return [(prefix, "—" if value is None or value == {} else str(value))]
 
 
 def _capture_section(m: dict[str, Any]) -> str:

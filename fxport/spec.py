@@ -628,12 +628,21 @@ def parse_range_flag(flag: str, name: str = "--dynamic-batch") -> dict[str, int]
     return {"min": lo, "opt": opt, "max": hi}
 
 
+def parse_dynamic_dim_flag(flag: str) -> tuple[str, dict[str, int]]:
+    """`--dynamic-dim NAME=MIN:OPT:MAX` → (NAME, a DynamicDim mapping)."""
+    name, sep, rng = flag.partition("=")
+    if not sep or not _NAME.match(name.strip()):
+        raise SpecError([("--dynamic-dim", f"{short_repr(flag)}: expected NAME=MIN:OPT:MAX, e.g. seq=1:128:512")])
+    return name.strip(), parse_range_flag(rng, "--dynamic-dim")
+
+
 def spec_from_flags(
     base: dict[str, Any] | None = None,
     *,
     targets: list[str] | None = None,
     inputs: list[str] | None = None,
     dynamic_batch: str | None = None,
+    dynamic_dims: list[str] | None = None,
     passes: list[str] | None = None,
     precision: str | None = None,
     benchmark: bool = False,
@@ -647,9 +656,13 @@ def spec_from_flags(
         data["targets"] = list(targets)
     if inputs:
         data["inputs"] = [parse_input_flag(f) for f in inputs]
-    if dynamic_batch:
+    if dynamic_batch or dynamic_dims:
         dims = dict(data.get("dynamic_dims") or {})
-        dims["batch"] = parse_range_flag(dynamic_batch)
+        if dynamic_batch:
+            dims["batch"] = parse_range_flag(dynamic_batch)
+        for flag in dynamic_dims or ():
+            name, rng = parse_dynamic_dim_flag(flag)
+            dims[name] = rng
         data["dynamic_dims"] = dims
     if passes:
         data["passes"] = list(passes)

@@ -16,6 +16,7 @@ from fxport.service.limits import (
     BUSY_RETRY_METADATA,
     STREAM_ADMITTED_METADATA,
     UNAUTHENTICATED,
+    UPLOADS,
     CallSlots,
     StreamSlots,
 )
@@ -170,12 +171,13 @@ class CallSlotsInterceptor(grpc.ServerInterceptor):
         if not (handler.request_streaming or handler.response_streaming):
             return self._unary(handler, details) if tenant_bound else handler
         slots = self.streams
+        upload = details.method.endswith("/SubmitJob")  # a tenant's submits have a budget of their own
 
         def take(context: grpc.ServicerContext) -> str:
             caller = current_tenant() if tenant_bound else UNAUTHENTICATED
-            _admit_or_abort(slots.take(caller), "streams", context, details.method)
+            _admit_or_abort(slots.take(caller, upload=upload), "streams", context, details.method)
             context.send_initial_metadata((STREAM_ADMITTED_METADATA,))
-            return caller
+            return caller + UPLOADS if upload else caller
 
         def unary_response(behavior: Callable[..., Any]) -> Callable[..., Any]:  # a client stream: SubmitJob
             def wrapper(requests: Any, context: grpc.ServicerContext) -> Any:

@@ -22,6 +22,11 @@ import grpc
 from fxport.jobs import JobStore
 from fxport.service.uploads import Reserve, UploadRejected
 
+# Trailing metadata of a submit refused because its tenant's jobs in flight are at their limit.
+QUEUE_FULL_METADATA = ("fxport-retry", "queue-full")
+QUEUE_RETRY_AFTER_S = 5  # how long a client should wait before submitting again: a tiny job's time, about
+UPLOADS = "\x00uploads"  # StreamSlots key suffix: a tenant's SubmitJob streams, counted apart from its others
+
 
 class InFlightLimit:
     def __init__(self, jobs: JobStore, limit: int) -> None:
@@ -38,6 +43,9 @@ class InFlightLimit:
         if n >= self.limit:
             n = self.jobs.count_in_flight(tenant, exact=True)  # never refuse on a stale index
         if n >= self.limit:
+            # Not a request too large, nor the server's capacity: the tenant's own queue is full. The
+            # fxport client waits `retry-after` and submits again (QueueFull), for as long as it may wait.
+            context.set_trailing_metadata((QUEUE_FULL_METADATA, ("retry-after", str(QUEUE_RETRY_AFTER_S))))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"tenant {tenant!r} has {n} jobs queued or running; the limit is {self.limit} "
                           "(FXPORT_MAX_JOBS_IN_FLIGHT): wait for some to finish or cancel them")
@@ -102,13 +110,25 @@ class StreamSlots(_SharedCounts):
     check, waiting in the server's queue until the streams closed. Counts are per API process,
     as its threads are."""
 
-    def __init__(self, per_caller: int, total: int, threads: int) -> None:
+    def __init__(self, per_caller: int, total: int, threads: int, per_caller_uploads: int | None = None) -> None:
         super().__init__()
         self.per_caller, self.total, self.threads = per_caller, total, threads
+        self.per_caller_uploads = per_caller_uploads or per_caller
 
-    def take(self, caller: str) -> tuple[str, str] | None:
-        """Take a slot for `caller`: None, or (which limit, why) when none is free."""
+    def take(self, caller: str, *, upload: bool = False) -> tuple[str, str] | None:
+        """Take a slot for `caller` (`upload`: one of its SubmitJob streams, counted apart: the key
+        is `caller + UPLOADS`, to release): None, or (which limit, why) when none is free."""
         with self._lock:
+            if upload:
+                mine = self._held.get(caller + UPLOADS, 0)
+                if mine >= self.per_caller_uploads:
+                    return "tenant", (f"tenant {caller!r} already has {mine} submits streaming to this API server; "
+                                      f"the limit is {self.per_caller_uploads} per tenant "
+                                      "(FXPORT_MAX_UPLOADS_PER_TENANT): retry later; the fxport client retries")
+                if self._all >= self.total:
+                    return "server", self._server_full()
+                self._add(caller + UPLOADS, 1)
+                return None
             mine = self._held.get(caller, 0)
             if mine >= self.per_caller:
                 who = (f"tenant {caller!r} already holds" if caller != UNAUTHENTICATED
@@ -118,12 +138,14 @@ class StreamSlots(_SharedCounts):
                                   "(FXPORT_MAX_STREAMS_PER_TENANT): close some or retry later; the fxport client "
                                   "retries, and follows a job by polling meanwhile")
             if self._all >= self.total:
-                return "server", (f"this API server has {self._all} streaming calls open, all of its {self.total} "
-                                  f"stream slots (FXPORT_GRPC_MAX_WORKERS {self.threads} threads, less "
-                                  f"{self.threads - self.total} kept for short calls and health checks): retry "
-                                  "later, or run more API replicas")
+                return "server", self._server_full()
             self._add(caller, 1)
             return None
+
+    def _server_full(self) -> str:
+        return (f"this API server has {self._all} streaming calls open, all of its {self.total} stream slots "
+                f"(FXPORT_GRPC_MAX_WORKERS {self.threads} threads, less {self.threads - self.total} kept for short "
+                "calls and health checks): retry later, or run more API replicas")
 
 
 class CallSlots(_SharedCounts):

@@ -268,7 +268,8 @@ def create_server(
     # the tenant auth found. Innermost: a backend outage leaves as UNAVAILABLE, which the logging and
     # metrics interceptors record.
     rpc_metrics = [MetricsInterceptor(served_services())] if settings.metrics_port is not None else []
-    stream_slots = StreamSlots(settings.max_streams_per_tenant, settings.stream_slots, settings.grpc_max_workers)
+    stream_slots = StreamSlots(settings.max_streams_per_tenant, settings.stream_slots, settings.grpc_max_workers,
+                               settings.max_uploads_per_tenant)
     call_slots = CallSlots(settings.calls_per_tenant)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=settings.grpc_max_workers, thread_name_prefix="fxport-rpc"),

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from fxport import tracing
 from fxport.cache import Lookup, ResultCache, wants_engine
 from fxport.config import Settings
 from fxport.errors import SpecError
@@ -395,6 +396,15 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
 
     def SubmitJob(self, request_iterator: Iterable[pb.SubmitJobRequest], context: grpc.ServicerContext) -> pb.Job:
         tenant = self.tenant_of(context)
+        with tracing.span("fxport.SubmitJob", tenant=tenant) as span:
+            job = self._submit(tenant, request_iterator, context)
+            if span is not None:
+                span.set_attribute("job_id", job.id)
+                span.set_attribute("cache_hit", job.cache_hit)
+            return job
+
+    def _submit(self, tenant: str, request_iterator: Iterable[pb.SubmitJobRequest],
+                context: grpc.ServicerContext) -> pb.Job:
         requests = iter(request_iterator)
         first = next(requests, None)
         if first is None or first.WhichOneof("payload") != "header":
@@ -447,6 +457,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         rec = JobRecord(
             id=job_id, tenant=tenant, spec=spec.normalized(), spec_digest=spec.digest(), labels=spec.labels,
             model=model, calibration=calibration, idempotency_key=key, task_id=job_id, message="queued",
+            trace_context=tracing.carrier(),
         )
         try:
             with self.in_flight.admit(tenant, context):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from fxport import tracing
 from fxport.cache import Remembered, forget_job_result, remember_job_result
 from fxport.config import Settings
 from fxport.errors import FxportError, InvalidInput, JobCancelled, ResourceLimitExceeded
@@ -287,13 +288,29 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
     rec, run = _start_attempt(ctx, job_id)
     if not run or rec is None:
         return rec
+    if not tracing.enabled():
+        tracing.configure_once(ctx.settings.otlp_endpoint, "fxport-worker")
+    with tracing.span("fxport.job", parent=rec.trace_context, job_id=job_id, tenant=rec.tenant,
+                      attempt=rec.attempts, worker=ctx.worker_id) as job_span:
+        spans = tracing.StageSpans(job_span, job_id=job_id, tenant=rec.tenant)
+        try:
+            return _run_attempt(ctx, rec, final_attempt, spans)
+        finally:
+            spans.close()
+
+
+def _run_attempt(ctx: WorkerContext, rec: JobRecord, final_attempt: bool, spans: tracing.StageSpans
+                 ) -> JobRecord | None:
+    """An attempt `_start_attempt` began: the engine in the sandbox, then the upload."""
+    job_id = rec.id
+    spans.enter("load")  # fetching the inputs, then the engine's own load
     # The CPU part makes every other artifact and the ONNX model the GPU stage builds an engine from.
     spec, deferred = cpu_stage(parse_spec(rec.spec))
     spec, clamped = clamp_limits(spec, ctx.settings)
     if clamped:
         ctx.jobs.transition(job_id, message="; ".join(clamped))
     cancel = _CancelWatch(ctx, job_id)
-    progress = _JobProgress(ctx, job_id, cancel.event)
+    progress = _JobProgress(ctx, job_id, cancel.event, spans)
     work_parent = ctx.settings.work_dir
     if work_parent:
         Path(work_parent).mkdir(parents=True, exist_ok=True)
@@ -320,6 +337,7 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
             if cancel.event.is_set():
                 raise JobCancelled("cancelled by request", stage=progress.stage)
             progress.stage = "upload"
+            spans.enter("upload")
             ctx.jobs.transition(job_id, stage="upload", message="uploading artifacts")
             artifacts = upload_outputs(ctx, rec, out_dir, manifest, early=early.wait())
         except StorageError as exc:
@@ -382,8 +400,10 @@ class _JobProgress:
     that floods its events (the sandbox checks and bounds each one) costs the job store a few
     writes a second, whatever it sends (each update rewrites the whole record)."""
 
-    def __init__(self, ctx: WorkerContext, job_id: str, cancelled: threading.Event) -> None:
+    def __init__(self, ctx: WorkerContext, job_id: str, cancelled: threading.Event,
+                 spans: tracing.StageSpans | None = None) -> None:
         self.ctx, self.job_id, self.cancelled = ctx, job_id, cancelled
+        self.spans = spans
         self.stage = "load"  # the stage a failure is recorded in
         self.early: EarlyUpload | None = None
         self._written_at = time.monotonic()
@@ -391,6 +411,8 @@ class _JobProgress:
 
     def __call__(self, event: dict[str, Any]) -> None:
         stage = event.get("stage") or self.stage
+        if self.spans is not None:
+            self.spans.enter(stage)
         first_of_stage = stage not in self._said
         news = _news(self._said.setdefault(stage, set()), event.get("message") or "")
         self.stage = stage
@@ -494,7 +516,12 @@ def execute_stage(stage: str, job_id: str, ctx: WorkerContext, *, final_attempt:
     if stage != "tensorrt":
         raise ValueError(f"unknown stage {stage!r}")
     with job_context(job_id), job_running("gpu"):
-        return _execute_tensorrt(job_id, ctx, final_attempt)
+        rec = ctx.jobs.get(job_id)
+        if not tracing.enabled():
+            tracing.configure_once(ctx.settings.otlp_endpoint, "fxport-worker")
+        with tracing.span(f"fxport.stage {stage}", parent=rec.trace_context if rec else None, job_id=job_id,
+                          tenant=rec.tenant if rec else None, worker=ctx.worker_id):
+            return _execute_tensorrt(job_id, ctx, final_attempt)
 
 
 def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRecord | None:

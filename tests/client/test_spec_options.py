@@ -74,3 +74,14 @@ def test_flags_override_the_spec_file(tmp_path: Path) -> None:
 def test_a_label_without_a_value_is_refused_naming_it() -> None:
     with pytest.raises(InvalidInput, match="--label 'team': expected KEY=VALUE"):
         SpecFlags(label=["team"]).to_spec()
+
+
+def test_dynamic_dim_flags_give_any_dim_its_range_without_a_spec_file() -> None:
+    from fxport.errors import SpecError
+
+    job = parse_spec(SpecFlags(input_=["tokens:batch,seq:int64"], dynamic_batch="1:4:16",
+                               dynamic_dim=["seq=8:128:512"]).to_spec())
+    assert job.dynamic_dims["seq"].model_dump() == {"min": 8, "opt": 128, "max": 512}
+    assert job.dynamic_dims["batch"].max == 16
+    with pytest.raises(SpecError, match="--dynamic-dim.*expected NAME=MIN:OPT:MAX"):
+        SpecFlags(dynamic_dim=["seq:8:128:512"]).to_spec()

@@ -39,9 +39,22 @@ def test_input_digest_spec_and_toolchain(manifest: dict[str, Any]) -> None:
     text, idx = _index(manifest)
     assert manifest["input"]["sha256"] in text
     assert idx.body_rows["toolchain-table"] == len(manifest["toolchain"])
-    assert idx.body_rows["spec-table"] == len(manifest["spec"])
-    assert idx.body_rows["signature-table"] == 1
+    # the spec read as a table: one row per leaf, nested keys dotted, not a line of JSON
+    assert idx.body_rows["spec-table"] > len(manifest["spec"])
+    assert "<code>verify.atol</code></td><td>0.0001</td>" in text.replace("\n", "")
+    assert "<code>targets</code></td><td>torchscript, onnx, exported_program, fx_source</td>" in text
+    assert idx.body_rows["signature-table"] == 1 + len(manifest.get("outputs") or [])  # inputs, then outputs
     assert "2.13.0+cpu" in text and "not installed" in text  # tensorrt is None in the fixture
+
+
+def test_the_signature_table_lists_outputs_and_the_batch_axis(manifest: dict[str, Any]) -> None:
+    manifest["outputs"] = [{"name": "logits", "dtype": "float32", "shape": ["batch", 10]}]
+    manifest["signature"] = {"batch": {"dim": "batch", "note": "dim 0 of every input and output is the dynamic "
+                                                              "dim 'batch'"}}
+    text, idx = _index(manifest)
+    assert idx.body_rows["signature-table"] == 2
+    assert "<td>output</td><td>logits</td>" in text
+    assert "Batch axis: dim 0 of every input and output is the dynamic dim &#x27;batch&#x27;." in text
 
 
 def test_capture_ladder_shows_which_rung_worked_and_why_others_failed(manifest: dict[str, Any]) -> None:

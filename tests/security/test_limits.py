@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fxport.client import Client, TooLarge
+from fxport.client import Client, QueueFull
 from fxport.config import Settings
 from fxport.jobs import InputRef, JobRecord, SqliteJobStore, new_job_id
 from fxport.service.auth import new_token, token_entry
@@ -42,11 +42,13 @@ def queue_only_server(redis_server, tmp_path_factory):
 
 def test_jobs_in_flight_per_tenant(queue_only_server):
     address, tokens, model, _ = queue_only_server
-    with Client(address, token=tokens["alice"]) as alice, Client(address, token=tokens["bob"]) as bob:
+    with Client(address, token=tokens["alice"], queue_wait_s=0) as alice, \
+            Client(address, token=tokens["bob"], queue_wait_s=0) as bob:
         first = alice.submit(model, {"targets": ["onnx"]}, idempotency_key="in-flight-1")
         alice.submit(model, {"targets": ["onnx"]}, idempotency_key="in-flight-2")
-        with pytest.raises(TooLarge) as info:
+        with pytest.raises(QueueFull) as info:  # the tenant's queue is full: not a request too large
             alice.submit(model, {"targets": ["onnx"]}, idempotency_key="in-flight-3")
+        assert info.value.exit_code == 4
         assert "tenant 'alice' has 2 jobs queued or running; the limit is 2 (FXPORT_MAX_JOBS_IN_FLIGHT)" \
             in str(info.value)
         # A retry of a job that exists is not a new job: answered, not refused.
@@ -77,11 +79,11 @@ def test_concurrent_submits_cannot_overshoot(queue_only_server):
     outcomes: list[str] = []
 
     def submit(i: int) -> None:
-        with Client(address, token=tokens["carol"]) as carol:
+        with Client(address, token=tokens["carol"], queue_wait_s=0) as carol:
             try:
                 carol.submit(model, {"targets": ["onnx"]}, idempotency_key=f"race-{i}-{uuid.uuid4().hex}")
                 outcomes.append("ok")
-            except TooLarge:
+            except QueueFull:
                 outcomes.append("refused")
 
     threads = [threading.Thread(target=submit, args=(i,)) for i in range(5)]

@@ -34,13 +34,13 @@ from prometheus_client import REGISTRY
 from fxport.client import Client, ServerBusy
 from fxport.config import Settings
 from fxport.service.auth import new_token, token_entry
-from fxport.service.limits import CallSlots, SpoolBudget, StreamSlots
+from fxport.service.limits import UPLOADS, CallSlots, SpoolBudget, StreamSlots
 from fxport.service.server import create_server
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
 from tests.fixtures.servers import scaled, wait_until
 
-THREADS, PER_TENANT, CALLS_PER_TENANT = 8, 3, 2
+THREADS, PER_TENANT, CALLS_PER_TENANT, UPLOADS_PER_TENANT = 8, 3, 2, 2
 SLOTS = THREADS - 2  # a quarter of the threads, at least 2, are kept for short calls and health checks
 MIB = 1 << 20
 MAX_UPLOAD, SPOOL = MIB, 2 * MIB  # a tenant may spool half: one maximal upload
@@ -159,7 +159,7 @@ def slots_server(redis_server, tmp_path_factory) -> Iterator[SlotsServer]:
     broker = redis_server.url.rsplit("/", 1)[0] + "/11"  # no worker listens here: jobs stay QUEUED
     settings = Settings(home=tmp / "home", listen="127.0.0.1:0", broker_url=broker, store=f"file://{tmp / 'store'}",
                         tokens_file=tmp / "tokens", grpc_max_workers=THREADS, max_streams_per_tenant=PER_TENANT,
-                        max_calls_per_tenant=CALLS_PER_TENANT,
+                        max_calls_per_tenant=CALLS_PER_TENANT, max_uploads_per_tenant=UPLOADS_PER_TENANT,
                         max_upload_bytes=MAX_UPLOAD, max_spool_bytes=SPOOL, log_format="text")
     assert settings.stream_slots == SLOTS
     srv, port = create_server(settings)
@@ -275,13 +275,23 @@ def test_the_client_follows_a_job_by_polling_while_its_tenant_has_no_stream_slot
     assert events and events[-1].state == "CANCELLED" and events[-1].terminal
 
 
-def test_a_submit_refused_for_want_of_a_slot_is_retried_then_named(server):
+def test_watches_holding_every_stream_slot_leave_the_tenants_submits_their_own(server):
+    """A burst of CI pipelines each waiting on its job (a WatchJob stream each) used to take the
+    slots their own submits needed: submits now count against FXPORT_MAX_UPLOADS_PER_TENANT."""
     job_id = _queued_job(server, "alice")
-    held = server.hold("alice", job_id, PER_TENANT)
+    server.hold("alice", job_id, PER_TENANT)  # every stream slot of alice's, watching
+    with Client(server.address, token=server.tokens["alice"], retry_s=0.5) as impatient:
+        assert impatient.submit(server.model, SPEC).state == "QUEUED"  # at once: not refused, not retried
+
+
+def test_a_submit_refused_for_want_of_a_slot_is_retried_then_named(server):
+    held = [server.hold_upload("alice", 4096) for _ in range(UPLOADS_PER_TENANT)]  # every submit slot of alice's
+    wait_until(lambda: server.slots.held("alice" + UPLOADS) == UPLOADS_PER_TENANT, scaled(20),
+               "alice's submits to hold their slots")
     with Client(server.address, token=server.tokens["alice"], retry_s=0.5) as impatient:
         with pytest.raises(ServerBusy) as info:
             impatient.submit(server.model, SPEC)
-    assert "FXPORT_MAX_STREAMS_PER_TENANT" in str(info.value) and info.value.exit_code == 4
+    assert "FXPORT_MAX_UPLOADS_PER_TENANT" in str(info.value) and info.value.exit_code == 4
 
     refused_before = _refusals("streams")
     outcome: dict[str, Any] = {}
@@ -299,7 +309,7 @@ def test_a_submit_refused_for_want_of_a_slot_is_retried_then_named(server):
     while _refusals("streams") == refused_before and submitter.is_alive():
         assert time.monotonic() < deadline, "the submit was never refused"
         time.sleep(0.02)
-    held[0].cancel()  # a slot frees up: the retry goes through
+    held[0].cancel()  # a submit slot frees up: the retry goes through
     submitter.join(scaled(60))
     assert not submitter.is_alive()
     assert "error" not in outcome, outcome.get("error")
