@@ -147,14 +147,14 @@ def render_benchmark(bench: dict[str, Any], console: Console) -> None:
                                       machine.get("gpu")) if x)
     table = Table(title=f"benchmark ({where})" if where else "benchmark")
     # on an 80-column CI log every column fits unwrapped
-    for col in ("artifact", "batch", "p50 ms", "p95 ms", "throughput", "× eager", "peak RSS"):
+    for col in ("artifact", "batch", "p50 ms", "p95 ms", "throughput", "× eager", "memory"):
         table.add_column(col, no_wrap=True, justify="left" if col == "artifact" else "right")
     for r in rows:
         name = r["artifact"] + ("" if r.get("verified") else " (not verified)")
         speed = r.get("speedup_vs_eager")
         table.add_row(name, str(r["batch"]), f"{r['p50_ms']:.3g}", f"{r['p95_ms']:.3g}", rate(r["throughput_per_s"]),
-                      f"{speed:.2f}" if speed is not None else "", f"{r['peak_rss_mib']:.0f} MiB"
-                      if r.get("peak_rss_mib") is not None else "")
+                      f"{speed:.2f}" if speed is not None else "", f"{r['memory_mib']:.0f} MiB"
+                      if r.get("memory_mib") is not None else "")
     console.print(table)
     for s in bench.get("skipped", []):
         console.print(f"[yellow]skipped[/] {s['artifact']} at batch {s['batch']}: {s['reason']}", highlight=False)

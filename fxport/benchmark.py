@@ -4,7 +4,7 @@ The engine measures (workers/engine/benchmark.py); this module holds what needs 
 so the worker that merges a GPU stage's rows, the CLI's table and the report share it:
 
     {"results": [{"artifact", "runtime", "batch", "p50_ms", "p95_ms", "mean_ms", "throughput_per_s",
-                  "peak_rss_mib", "threads", "runs", "verified"}],
+                  "peak_rss_mib", "memory_mib", "threads", "runs", "verified"}],
      "skipped": [{"artifact", "batch", "reason"}],
      "recommendation": {"artifact", "batch", "reason", "per_batch": [...]} | null,
      "machine": {"cpu", "cores", "usable_cpus", "isa", "arch", "gpu"},

@@ -486,8 +486,9 @@ def _benchmark_section(m: dict[str, Any]) -> str | None:
                  + (f", GPU {_e(machine['gpu'])}" if machine.get("gpu") else "")
                  + f'; {_e(settings.get("threads"))} threads, {_e(settings.get("warmup"))} warm-up and up to '
                  f'{_e(settings.get("runs"))} timed runs per artifact and batch, one runtime at a time; the stage '
-                 f'took {_e(bench.get("seconds"))} s (max {_e(settings.get("max_seconds"))} s). Peak RSS is the '
-                 "sandbox process's high-water mark while that runtime ran that batch.</p>")
+                 f'took {_e(bench.get("seconds"))} s (max {_e(settings.get("max_seconds"))} s). Memory is what the '
+                 "runtime added to the sandbox process: its peak while it ran that batch, over the resident memory "
+                 "before the artifact was loaded (the process's own peak, mostly torch, is in manifest.json).</p>")
     batches = sorted({r["batch"] for r in rows})
     artifacts = list(dict.fromkeys(r["artifact"] for r in rows))
     by = {(r["artifact"], r["batch"]): r for r in rows}
@@ -502,15 +503,17 @@ def _benchmark_section(m: dict[str, Any]) -> str | None:
         speedup = {a: [by[(a, b)].get("speedup_vs_eager") if (a, b) in by else None for b in batches]
                    for a in artifacts}  # eager too, at 1×: each artifact keeps its colour in both charts
         if any(v is not None for vs in speedup.values() for v in vs):
+            # on a log scale: one noisy outlier (223×) otherwise flattens every other bar to nothing
             parts.append(_grouped_bar_chart("benchmark-speedup", [f"batch {b}" for b in batches], speedup,
-                                            title="Speed-up over eager (× eager p50)", value_fmt="{:.2f}×"))
+                                            title="Speed-up over eager (× eager p50, log scale)",
+                                            value_fmt="{:.2f}×", logarithmic=True))
     table_rows = [[_e(r["artifact"]), _e(r.get("runtime")), _e(r["batch"]), _num_cell(r.get("p50_ms"), "{:.4g}"),
                    _num_cell(r.get("p95_ms"), "{:.4g}"), _num_cell(r.get("mean_ms"), "{:.4g}"),
                    _e(rate(r["throughput_per_s"])), _num_cell(r.get("speedup_vs_eager"), "{:.2f}×"),
-                   _num_cell(r.get("peak_rss_mib"), "{:.0f} MiB"), _e(r.get("threads")), _e(r.get("runs")),
+                   _num_cell(r.get("memory_mib"), "{:.0f} MiB"), _e(r.get("threads")), _e(r.get("runs")),
                    _status_cell(bool(r.get("verified")), "yes" if r.get("verified") else "no")] for r in rows]
     parts.append(_table(["artifact", "runtime", "batch", "p50 ms", "p95 ms", "mean ms", "throughput", "× eager",
-                         "peak RSS", "threads", "runs", "verified"], table_rows, table_id="benchmark-table"))
+                         "memory", "threads", "runs", "verified"], table_rows, table_id="benchmark-table"))
     skipped = bench.get("skipped") or []
     if skipped:
         parts.append("<p>Skipped:</p><ul>" + "".join(
@@ -650,7 +653,7 @@ def _series_colour(names: list[str], name: str) -> str:
 
 
 def _grouped_bar_chart(chart_id: str, labels: list[str], series: dict[str, list[float | None]], *, title: str,
-                       value_fmt: str) -> str:
+                       value_fmt: str, logarithmic: bool = False) -> str:
     """Bars grouped by `labels` (batch sizes), one coloured series per artifact, with a legend."""
     try:
         import pygal
@@ -658,7 +661,7 @@ def _grouped_bar_chart(chart_id: str, labels: list[str], series: dict[str, list[
         return _NO_PYGAL
     chart = pygal.Bar(width=1100, height=420, js=[], disable_xml_declaration=True, title=title, show_legend=True,
                       legend_at_bottom=True, truncate_label=-1, value_formatter=lambda v: value_fmt.format(v),
-                      style=_style(colors=SERIES_COLOURS))
+                      style=_style(colors=SERIES_COLOURS), logarithmic=logarithmic)
     chart.x_labels = labels
     for name, values in series.items():
         chart.add(name, values)
@@ -677,7 +680,8 @@ def _graph_block(prefix: str, g: dict[str, Any], layout: DotLayout) -> str:
     drawn_svg = _graph_svg(prefix, nodes, notes, layout)
     note_html = "".join(f'<p class="note">{_e(n)}</p>' for n in notes)
     # What makes a diagram big on the page is its boxes; get_attr nodes are folded, so they don't count.
-    boxes = sum(1 for n in nodes if n.get("op") != "get_attr")
+    checks = shape_checks(nodes)
+    boxes = sum(1 for n in nodes if n.get("op") != "get_attr" and n.get("name") not in checks)
     open_attr = "" if boxes > COLLAPSE_ABOVE_NODES else " open"
     diagram = (f'<details class="graph-details"{open_attr}><summary>Graph diagram ({total} nodes, {boxes} drawn '
                "as boxes)</summary>"
@@ -725,6 +729,34 @@ def _cached_layout(source: bytes, layout: DotLayout) -> bytes:
     return svg
 
 
+SHAPE_CHECK_TARGETS = ("_assert", "sym_constrain_range", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset")
+SIZE_ARITHMETIC = {"le", "ge", "lt", "gt", "eq", "ne", "and_", "or_", "not_", "add", "sub", "mul", "floordiv", "mod",
+                   "truediv", "sym_not", "sym_max", "sym_min"}
+
+
+def shape_checks(nodes: list[dict[str, Any]]) -> set[str]:
+    """The nodes of a graph that only check or compute sizes: the asserts and range constraints,
+    the size reads (sym_size, x.size()), and Python operators (getitem, comparisons, arithmetic)
+    whose every input is one of them. In a dynamic-shape program they were 16 of 27 boxes; the
+    computation is the rest."""
+    out: set[str] = set()
+    for n in nodes:
+        op, target, inputs = n.get("op"), str(n.get("target") or ""), n.get("inputs") or []
+        if op == "call_method" and target in ("size", "dim", "numel", "stride"):  # a traced graph's x.size()
+            out.add(str(n.get("name")))
+            continue
+        if op != "call_function":
+            continue
+        if any(t in target for t in SHAPE_CHECK_TARGETS):
+            out.add(str(n.get("name")))
+            continue
+        module, _, fn = target.rpartition(".")
+        if module in ("operator", "_operator", "torch") and (fn in SIZE_ARITHMETIC or fn == "getitem") and inputs \
+                and all(i in out for i in inputs):
+            out.add(str(n.get("name")))
+    return out
+
+
 def _graph_svg(prefix: str, nodes: list[dict[str, Any]], notes: list[str], layout: DotLayout) -> str:
     try:
         import graphviz
@@ -732,7 +764,11 @@ def _graph_svg(prefix: str, nodes: list[dict[str, Any]], notes: list[str], layou
         return ('<p class="missing graph-missing">Graph not drawn: the Python package graphviz is not installed '
                 "(pip install graphviz). The node table below lists the graph.</p>")
     params = {n.get("name") for n in nodes if n.get("op") == "get_attr"}
-    drawable = [n for n in nodes if n.get("op") != "get_attr"]
+    checks = shape_checks(nodes)
+    if checks:
+        notes.append(f"{len(checks)} shape-check nodes (sym_size, _assert_scalar, comparisons of sizes, ...) are "
+                     "left out of the drawing; the table lists them")
+    drawable = [n for n in nodes if n.get("op") != "get_attr" and n.get("name") not in checks]
     if len(drawable) > MAX_DRAWN_NODES:
         notes.append(f"drawing only the first {MAX_DRAWN_NODES} of {len(drawable)} nodes (get_attr nodes aside); "
                      "the table has them all")

@@ -376,3 +376,28 @@ def test_renderer_imports_neither_torch_nor_onnx() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_shape_checks_are_left_out_of_the_drawing_and_counted() -> None:
+    from fxport.report import shape_checks
+
+    nodes = [
+        {"name": "x", "op": "placeholder", "target": "x", "inputs": []},
+        {"name": "sym_size_int", "op": "call_function", "target": "aten.sym_size.int", "inputs": ["x"]},
+        {"name": "ge", "op": "call_function", "target": "_operator.ge", "inputs": ["sym_size_int"]},
+        {"name": "_assert_scalar", "op": "call_function", "target": "aten._assert_scalar.default",
+         "inputs": ["ge"]},
+        {"name": "add", "op": "call_function", "target": "_operator.add", "inputs": ["x", "sym_size_int"]},
+        {"name": "size", "op": "call_method", "target": "size", "inputs": ["x"]},  # a traced graph's checks
+        {"name": "getitem", "op": "call_function", "target": "_operator.getitem", "inputs": ["size"]},
+        {"name": "eq", "op": "call_function", "target": "_operator.eq", "inputs": ["getitem"]},
+        {"name": "_assert", "op": "call_function", "target": "torch._assert", "inputs": ["eq"]},
+        {"name": "linear", "op": "call_function", "target": "aten.linear.default", "inputs": ["x"]},
+        {"name": "output", "op": "output", "target": "output", "inputs": ["linear"]},
+    ]
+    # a size read, a comparison of sizes and the assert go; an operator over a tensor stays
+    assert shape_checks(nodes) == {"sym_size_int", "ge", "_assert_scalar", "size", "getitem", "eq", "_assert"}
+    m = {"graph_before": {"nodes": nodes, "node_count": len(nodes)}, "status": "succeeded"}
+    text, _ = _index(m)
+    assert "Graph diagram (11 nodes, 4 drawn as boxes)" in text
+    assert "7 shape-check nodes" in text

@@ -78,14 +78,19 @@ def _reset_peak_rss() -> bool:
         os.close(fd)
 
 
-def _peak_rss_mib() -> float | None:
+def _status_mib(field: str) -> float | None:
+    """A memory field of /proc/self/status (VmHWM: the peak resident set; VmRSS: the current one), in MiB."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return round(int(line.split()[1]) / 1024, 1)
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _peak_rss_mib() -> float | None:
+    return _status_mib("VmHWM")
 
 
 def _timed_runs(runner: Runner, args: tuple[Any, ...], opts: BenchmarkOptions, budget_s: float, deadline: float,
@@ -131,6 +136,10 @@ def measure(runners: list[Runner], sig: InputSignature, opts: BenchmarkOptions, 
                             for b in batches]
                 done += len(batches)
                 continue
+            # The artifact's memory is what its runtime adds to the process: the peak during its
+            # runs over the resident set before it was loaded. (The process's own peak is mostly
+            # torch and every library the sandbox holds: the same ~500 MiB in every row.)
+            before_load = _status_mib("VmRSS")
             try:
                 runner.activate()
             except Exception as exc:  # noqa: BLE001 - a runtime that cannot load is a finding, not a crash
@@ -144,7 +153,7 @@ def measure(runners: list[Runner], sig: InputSignature, opts: BenchmarkOptions, 
                         emit("benchmark", done / total, f"{runner.name} at batch {batch}")
                     done += 1
                     row = _measure_one(runner, sig, opts, batch, seed=seed, deadline=deadline,
-                                       left=total - done + 1, clock=clock)
+                                       left=total - done + 1, clock=clock, before_load=before_load)
                     if "reason" in row:
                         skipped.append(row)
                         continue
@@ -163,7 +172,8 @@ def measure(runners: list[Runner], sig: InputSignature, opts: BenchmarkOptions, 
 
 
 def _measure_one(runner: Runner, sig: InputSignature, opts: BenchmarkOptions, batch: int, *, seed: int,
-                 deadline: float, left: int, clock: Callable[[], float]) -> dict[str, Any]:
+                 deadline: float, left: int, clock: Callable[[], float],
+                 before_load: float | None = None) -> dict[str, Any]:
     point = point_for(sig, batch)
     base = {"artifact": runner.name, "batch": batch}
     if isinstance(point, str):
@@ -181,10 +191,12 @@ def _measure_one(runner: Runner, sig: InputSignature, opts: BenchmarkOptions, ba
         return {**base, "reason": f"only {len(times)} run(s) fit in the stage's max_seconds ({opts.max_seconds:g} s)"}
     ms = sorted(t * 1000 for t in times)
     p50 = round(statistics.median(ms), 4)  # the throughput is the manifest's own p50's, exactly
+    peak = _peak_rss_mib() if measured_peak else None
     return {**base, "runtime": runner.runtime, "p50_ms": p50,
             "p95_ms": round(float(np.percentile(ms, 95)), 4), "mean_ms": round(statistics.fmean(ms), 4),
-            "throughput_per_s": round(batch * 1000 / p50, 2), "runs": len(ms),
-            "peak_rss_mib": _peak_rss_mib() if measured_peak else None}
+            "throughput_per_s": round(batch * 1000 / p50, 2), "runs": len(ms), "peak_rss_mib": peak,
+            "memory_mib": round(max(0.0, peak - before_load), 1) if peak is not None and before_load is not None
+            else None}
 
 
 def _why(exc: BaseException) -> str:
