@@ -152,15 +152,26 @@ def render_benchmark(bench: dict[str, Any], console: Console) -> None:
     for r in rows:
         name = r["artifact"] + ("" if r.get("verified") else " (not verified)")
         speed = r.get("speedup_vs_eager")
-        table.add_row(name, str(r["batch"]), f"{r['p50_ms']:.3g}", f"{r['p95_ms']:.3g}", rate(r["throughput_per_s"]),
+        lo_hi = r.get("p50_range_ms")
+        p50 = f"{r['p50_ms']:.3g}" + (f" ({lo_hi[0]:.3g}–{lo_hi[1]:.3g})" if lo_hi and lo_hi[0] != lo_hi[1] else "")
+        table.add_row(name, str(r["batch"]), p50, f"{r['p95_ms']:.3g}", rate(r["throughput_per_s"]),
                       f"{speed:.2f}" if speed is not None else "", f"{r['memory_mib']:.0f} MiB"
                       if r.get("memory_mib") is not None else "")
     console.print(table)
     for s in bench.get("skipped", []):
         console.print(f"[yellow]skipped[/] {s['artifact']} at batch {s['batch']}: {s['reason']}", highlight=False)
+    noise = bench.get("noise") or {}
+    if noise.get("noisy") and noise.get("worst"):
+        w = noise["worst"]
+        console.print(f"[yellow]noisy machine[/]: {w['artifact']} at batch {w['batch']} varied {w['spread']:.1f}× "
+                      f"between rounds ({', '.join(f'{x:.3g}' for x in w.get('round_p50_ms') or [])} ms): the "
+                      "figures are rough; benchmark on a quiet machine before deciding", highlight=False)
     pick = bench.get("recommendation")
+    unclear = bench.get("no_clear_winner") or []
     if pick:
         console.print(f"[bold]recommended[/]: {pick['artifact']} at batch {pick['batch']} — {pick['reason']}",
                       highlight=False)
+    elif unclear:
+        console.print("[yellow]no clear winner[/]: " + "; ".join(u["reason"] for u in unclear), highlight=False)
     elif rows:
         console.print("[yellow]no recommendation[/]: no verified artifact was measured", highlight=False)

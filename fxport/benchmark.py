@@ -58,25 +58,82 @@ def speedups(results: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
             for r in results if r.get("p50_ms") and r["batch"] in eager}
 
 
+NOISY_SPREAD = 1.5  # a row whose rounds' medians differ by more than this factor: the machine was busy
+
+
+def _range(r: dict[str, Any]) -> tuple[float, float]:
+    """A row's p50 interval: the range of its rounds' medians (a row of one round: its p50)."""
+    lo_hi = r.get("p50_range_ms")
+    return (float(lo_hi[0]), float(lo_hi[1])) if lo_hi else (float(r["p50_ms"]), float(r["p50_ms"]))
+
+
+def _fastest(rows: list[dict[str, Any]]) -> dict[int, tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Per batch: the row with the lowest p50, and the runner-up whose interval overlaps it (None
+    when the fastest's interval lies wholly below every other's: a clear winner)."""
+    out: dict[int, tuple[dict[str, Any], dict[str, Any] | None]] = {}
+    for batch in sorted({r["batch"] for r in rows}):
+        at = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["p50_ms"])
+        best = at[0]
+        overlap = next((r for r in at[1:] if _range(r)[0] <= _range(best)[1]), None)
+        out[batch] = (best, overlap)
+    return out
+
+
+def _candidates(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in results if r["artifact"] != "eager" and r.get("verified") and r.get("p50_ms")]
+
+
+def no_clear_winner(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The batches where the fastest verified artifact's interval overlaps another's: no
+    recommendation is made there (each with the two artifacts and their intervals)."""
+    out = []
+    for batch, (best, overlap) in _fastest(_candidates(results)).items():
+        if overlap is not None:
+            out.append({"batch": batch, "artifacts": [best["artifact"], overlap["artifact"]],
+                        "p50_range_ms": [list(_range(best)), list(_range(overlap))],
+                        "reason": f"at batch {batch}, {best['artifact']} ({_fmt_range(best)} ms) and "
+                                  f"{overlap['artifact']} ({_fmt_range(overlap)} ms) overlap across rounds"})
+    return out
+
+
+def _fmt_range(r: dict[str, Any]) -> str:
+    lo, hi = _range(r)
+    return f"{lo:.3g}" if lo == hi else f"{lo:.3g}–{hi:.3g}"
+
+
+def noise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the machine was noisy while the benchmark ran: some row's rounds' medians differ by
+    more than NOISY_SPREAD ×. The worst row is named."""
+    spreads = [(r["p50_range_ms"][1] / r["p50_range_ms"][0], r) for r in results
+               if r.get("p50_range_ms") and r["p50_range_ms"][0] > 0 and (r.get("rounds") or 0) > 1]
+    if not spreads:
+        return {"noisy": False, "threshold": NOISY_SPREAD, "worst": None}
+    spread, worst = max(spreads, key=lambda x: x[0])
+    return {"noisy": spread > NOISY_SPREAD, "threshold": NOISY_SPREAD,
+            "worst": {"artifact": worst["artifact"], "batch": worst["batch"], "spread": round(spread, 3),
+                      "round_p50_ms": worst.get("round_p50_ms")}}
+
+
 def recommend(results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fastest verified artifact at each batch (lowest p50), and one overall pick: the
-    artifact fastest at the most batches (ties: the least slower than the best, geometric mean
-    over batches), deployed at the batch, among those it is fastest at, where it has the most
-    throughput. None when no verified artifact was measured."""
-    rows = [r for r in results if r["artifact"] != "eager" and r.get("verified") and r.get("p50_ms")]
+    """The fastest verified artifact at each batch (lowest p50) where it is a clear winner (its
+    interval below every other's), and one overall pick: the artifact that wins the most batches
+    (ties: the least slower than the best, geometric mean over batches), deployed at the batch,
+    among those it wins, where it has the most throughput. None when no verified artifact was
+    measured, or no batch has a clear winner (`no_clear_winner` says why)."""
+    rows = _candidates(results)
     if not rows:
         return None
     up = speedups(results)
-    best: dict[int, dict[str, Any]] = {}
-    for r in rows:
-        if r["batch"] not in best or r["p50_ms"] < best[r["batch"]]["p50_ms"]:
-            best[r["batch"]] = r
+    best = {batch: winner for batch, (winner, overlap) in _fastest(rows).items() if overlap is None}
+    if not best:
+        return None
     wins = Counter(r["artifact"] for r in best.values())
     top = max(wins.values())
 
     def slowdown(artifact: str) -> float:  # geometric mean of p50 ÷ the batch's best p50
-        ratios = [r["p50_ms"] / best[r["batch"]]["p50_ms"] for r in rows if r["artifact"] == artifact]
-        return math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        ratios = [r["p50_ms"] / best[r["batch"]]["p50_ms"] for r in rows if r["artifact"] == artifact
+                  and r["batch"] in best]
+        return math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else math.inf
 
     pick = min((a for a, w in wins.items() if w == top), key=lambda a: (slowdown(a), a))
     mine = sorted((r for r in rows if r["artifact"] == pick), key=lambda r: r["batch"])
@@ -87,7 +144,8 @@ def recommend(results: list[dict[str, Any]]) -> dict[str, Any] | None:
     if vs_eager:
         vs_eager[0] = vs_eager[0].replace("× at", "× eager at batch", 1)
     reason = (f"{pick}: " + (", ".join(vs_eager) + "; " if vs_eager else "")
-              + f"fastest at {wins[pick]} of {len(best)} batch size(s); most throughput at batch {deploy['batch']} "
+              + f"fastest at {wins[pick]} of {len(best)} batch size(s) with a clear winner; most throughput at batch "
+              f"{deploy['batch']} "
               f"({rate(deploy['throughput_per_s'])})")
     return {
         "artifact": pick, "batch": deploy["batch"], "reason": reason,
@@ -110,6 +168,8 @@ def merge(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[s
         machine["gpu"] = second["machine"]["gpu"]
     merged["machine"] = machine
     merged["recommendation"] = recommend(merged["results"])
+    merged["no_clear_winner"] = no_clear_winner(merged["results"])
+    merged["noise"] = noise(merged["results"])
     return merged
 
 

@@ -433,6 +433,15 @@ def _parity_section(m: dict[str, Any]) -> str:
     return head + _table(headers, rows, table_id="parity-table", row_classes=classes)
 
 
+def _p50_cell(r: dict[str, Any]) -> str:
+    """The p50, with the range of the rounds' medians when there were several."""
+    lo_hi = r.get("p50_range_ms")
+    if not lo_hi or lo_hi[0] == lo_hi[1]:
+        return _num_cell(r.get("p50_ms"), "{:.4g}")
+    p50, lo, hi = (format(float(v), spec) for v, spec in ((r["p50_ms"], ".4g"), (lo_hi[0], ".3g"), (lo_hi[1], ".3g")))
+    return f'<td class="num">{_e(p50)} <span class="note">({_e(lo)}–{_e(hi)})</span></td>'
+
+
 def _tolerances_text(tol: dict[str, Any]) -> str:
     parts = [f"{name}={_e(tol[key])}" for key, name in (("atol", "atol"), ("rtol", "rtol")) if tol.get(key) is not None]
     if tol.get("scale_atol") is not None:
@@ -477,9 +486,18 @@ def _benchmark_section(m: dict[str, Any]) -> str | None:
     machine = bench.get("machine") or {}
     settings = bench.get("settings") or {}
     pick = bench.get("recommendation")
+    unclear = bench.get("no_clear_winner") or []
     parts = [f'<p><strong>Recommended: {_e(pick["artifact"])} at batch {_e(pick["batch"])}</strong> — '
              f'{_e(pick["reason"])}</p>' if pick else
+             f'<p><strong>No clear winner</strong>: {_e("; ".join(u["reason"] for u in unclear))}.</p>' if unclear else
              '<p class="note">No recommendation: no verified artifact was measured.</p>']
+    noise = bench.get("noise") or {}
+    if noise.get("noisy") and noise.get("worst"):
+        w = noise["worst"]
+        parts.append(f'<p class="missing" id="benchmark-noisy"><strong>Noisy machine</strong>: {_e(w["artifact"])} at '
+                     f'batch {_e(w["batch"])} varied {_e(w["spread"])}× between rounds '
+                     f'({_e(", ".join(f"{x:.3g}" for x in w.get("round_p50_ms") or []))} ms). The figures are '
+                     "rough: benchmark on a quiet machine before deciding.</p>")
     isa = ", ".join(machine.get("isa") or []) or "none listed"
     parts.append(f'<p class="note">Measured on the worker that built the artifacts: {_e(machine.get("cpu"))} '
                  f'({_e(machine.get("usable_cpus"))} of {_e(machine.get("cores"))} CPUs usable; ISA: {_e(isa)})'
@@ -507,7 +525,7 @@ def _benchmark_section(m: dict[str, Any]) -> str | None:
             parts.append(_grouped_bar_chart("benchmark-speedup", [f"batch {b}" for b in batches], speedup,
                                             title="Speed-up over eager (× eager p50, log scale)",
                                             value_fmt="{:.2f}×", logarithmic=True))
-    table_rows = [[_e(r["artifact"]), _e(r.get("runtime")), _e(r["batch"]), _num_cell(r.get("p50_ms"), "{:.4g}"),
+    table_rows = [[_e(r["artifact"]), _e(r.get("runtime")), _e(r["batch"]), _p50_cell(r),
                    _num_cell(r.get("p95_ms"), "{:.4g}"), _num_cell(r.get("mean_ms"), "{:.4g}"),
                    _e(rate(r["throughput_per_s"])), _num_cell(r.get("speedup_vs_eager"), "{:.2f}×"),
                    _num_cell(r.get("memory_mib"), "{:.0f} MiB"), _e(r.get("threads")), _e(r.get("runs")),

@@ -297,6 +297,10 @@ class BenchmarkOptions(_Strict):
                                 "thread budget (the CPUs the worker may use).")
     max_seconds: float = Field(120.0, gt=0, le=3600, description="Bound on the whole stage; what does not fit is "
                                "reported as skipped, with why.")
+    rounds: int = Field(3, ge=1, le=20, description="Rounds that take the runtimes in turn, each with its share of "
+                        "`runs`: a spell of load on a shared machine then falls on every runtime, and the rounds' "
+                        "medians give each p50 an interval; an artifact is recommended only where intervals "
+                        "separate.")
 
     @field_validator("batches")
     @classmethod

@@ -88,3 +88,35 @@ def test_the_spec_turns_the_benchmark_on_and_checks_its_options():
         parse_spec({"benchmark": {"batches": [0], "runz": 3, "max_seconds": 0}})
     fields = {path for path, _ in info.value.violations}
     assert fields == {"benchmark.batches", "benchmark.runz", "benchmark.max_seconds"}
+
+
+def ranged(artifact: str, batch: int, rounds: list[float]) -> dict:
+    """A row measured in rounds: p50 over them all (here their median), the rounds' range."""
+    return {**row(artifact, batch, sorted(rounds)[len(rounds) // 2]), "p50_range_ms": [min(rounds), max(rounds)],
+            "round_p50_ms": rounds, "rounds": len(rounds)}
+
+
+def test_an_artifact_is_recommended_only_where_its_interval_clears_the_others():
+    from fxport.benchmark import no_clear_winner
+
+    eager = ranged("eager", 1, [1.0, 1.1, 0.9])
+    overlapping = [eager, ranged("onnx", 1, [0.30, 0.28, 0.33]), ranged("torchscript", 1, [0.32, 0.31, 0.40])]
+    assert recommend(overlapping) is None  # onnx's p50 is lower, but not by more than the rounds disagree
+    (unclear,) = no_clear_winner(overlapping)
+    assert unclear["artifacts"] == ["onnx", "torchscript"] and "overlap across rounds" in unclear["reason"]
+    assert "onnx (0.28–0.33 ms) and torchscript (0.31–0.4 ms)" in unclear["reason"]
+
+    separated = [eager, ranged("onnx", 1, [0.30, 0.28, 0.33]), ranged("torchscript", 1, [0.50, 0.45, 0.55])]
+    assert recommend(separated)["artifact"] == "onnx" and no_clear_winner(separated) == []
+    # rows from before rounds (no range) keep today's rule: the lowest p50 wins
+    assert recommend(RESULTS)["artifact"] == "onnx"
+
+
+def test_noise_names_the_row_whose_rounds_disagreed_most():
+    from fxport.benchmark import noise
+
+    quiet = [ranged("eager", 1, [1.0, 1.1, 0.95]), ranged("onnx", 1, [0.30, 0.31, 0.29])]
+    assert noise(quiet)["noisy"] is False
+    busy = [ranged("eager", 1, [0.211, 6.06, 0.25]), ranged("onnx", 1, [0.036, 0.04, 0.035])]
+    found = noise(busy)
+    assert found["noisy"] and found["worst"]["artifact"] == "eager" and found["worst"]["spread"] > 25

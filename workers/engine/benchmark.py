@@ -1,12 +1,14 @@
 """The benchmark stage: each artifact in its own runtime, and the eager original, timed per batch.
 
 Runs in the sandbox, after verification, one runtime at a time (loaded, measured at every
-batch size, unloaded) so that no two runtimes' threads or memory mix in one number. Per
-artifact and batch: `warmup` untimed runs, then up to `runs` timed ones; p50/p95/mean latency,
-throughput (batch ÷ p50), and the process's peak resident memory while that runtime ran that
-batch (the kernel's high-water mark, reset before each: it includes the engine's own baseline,
-torch and the original model, the same for every row). `max_seconds` bounds the whole stage:
-each measurement gets a fair share of what is left, and what does not fit is skipped, with why.
+batch size, unloaded) so that no two runtimes' threads or memory mix in one number, in
+`rounds` rounds that take the runtimes in turn, so that a spell of load on a shared machine
+falls on all of them. Per artifact and batch: `warmup` untimed runs each round, then its share
+of `runs` timed ones; p50 over every run with the range of the rounds' medians, p95, mean,
+throughput (batch ÷ p50), and the memory the runtime adds to the process (its peak over the
+resident memory before the artifact loaded; the process's own peak is kept too). `max_seconds`
+bounds the whole stage: each measurement gets a fair share of what is left, and what does not
+fit is skipped, with why.
 The figures and the recommendation go to the manifest's `benchmark` (fxport/benchmark.py).
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fxport.benchmark import machine_info, recommend
+from fxport.benchmark import machine_info, no_clear_winner, noise, recommend
 from fxport.spec import BenchmarkOptions
 from fxport.workers.engine.inputs import InputSignature
 from fxport.workers.engine.verify.runners import Runner
@@ -93,10 +95,10 @@ def _peak_rss_mib() -> float | None:
     return _status_mib("VmHWM")
 
 
-def _timed_runs(runner: Runner, args: tuple[Any, ...], opts: BenchmarkOptions, budget_s: float, deadline: float,
-                clock: Callable[[], float]) -> list[float]:
+def _timed_runs(runner: Runner, args: tuple[Any, ...], opts: BenchmarkOptions, runs: int, budget_s: float,
+                deadline: float, clock: Callable[[], float], min_runs: int = 1) -> list[float]:
     """Latencies in seconds: warm-up runs (at most a third of the budget), then timed runs until
-    `opts.runs`, the budget (once MIN_RUNS are in) or the stage's deadline."""
+    `runs`, the budget (once `min_runs` are in) or the stage's deadline."""
     start = clock()
     for _ in range(opts.warmup):
         if clock() - start > budget_s / 3 or clock() > deadline:
@@ -104,12 +106,12 @@ def _timed_runs(runner: Runner, args: tuple[Any, ...], opts: BenchmarkOptions, b
         runner.infer(args)
     times: list[float] = []
     timed_from = clock()
-    for _ in range(opts.runs):
+    for _ in range(runs):
         t0 = clock()
         runner.infer(args)
         times.append(clock() - t0)
         now = clock()
-        if now > deadline or (len(times) >= MIN_RUNS and now - timed_from > budget_s):
+        if now > deadline or (len(times) >= min_runs and now - timed_from > budget_s):
             break
     return times
 
@@ -117,86 +119,126 @@ def _timed_runs(runner: Runner, args: tuple[Any, ...], opts: BenchmarkOptions, b
 def measure(runners: list[Runner], sig: InputSignature, opts: BenchmarkOptions, *, verified: set[str], seed: int,
             emit: Emit | None = None, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Benchmark `runners` (the eager original first, as the baseline) at each batch; returns the
-    manifest's `benchmark` object. A runner that fails to load or run is skipped with its error."""
+    manifest's `benchmark` object. A runner that fails to load or run is skipped with its error.
+
+    In `opts.rounds` rounds, each runner in turn (loaded, every batch, unloaded), so that a spell
+    of load on a shared machine lands on every runtime rather than on one: a row's p50 is over
+    all its runs, its interval the range of its rounds' medians, and a spread past NOISY_SPREAD
+    marks the machine noisy. The recommendation is made only where intervals separate."""
     started = clock()
     deadline = started + opts.max_seconds
     threads_before = torch.get_num_threads()
     threads = opts.threads or threads_before
     torch.set_num_threads(threads)  # onnxruntime sessions take the same (verify/runners.py)
     batches = opts.batches or default_batches(sig)
-    results: list[dict[str, Any]] = []
-    skipped: list[dict[str, Any]] = []
-    total = len(runners) * len(batches)
+    # Rounds of at least MIN_RUNS each: `runs: 3` is one round (a p50 without an interval).
+    rounds = max(1, min(opts.rounds, opts.runs // MIN_RUNS))
+    times: dict[tuple[str, int], list[list[float]]] = {}  # (artifact, batch) -> each round's latencies
+    memory: dict[tuple[str, int], float] = {}
+    peaks: dict[tuple[str, int], float] = {}
+    why_not: dict[tuple[str, int], str] = {}
+    runtime_of: dict[str, str | None] = {}
+    total = rounds * len(runners) * len(batches)
     done = 0
     try:
-        for runner in runners:
-            if clock() >= deadline:
-                skipped += [{"artifact": runner.name, "batch": b,
-                             "reason": f"the stage's max_seconds ({opts.max_seconds:g} s) ran out before it"}
-                            for b in batches]
-                done += len(batches)
-                continue
-            # The artifact's memory is what its runtime adds to the process: the peak during its
-            # runs over the resident set before it was loaded. (The process's own peak is mostly
-            # torch and every library the sandbox holds: the same ~500 MiB in every row.)
-            before_load = _status_mib("VmRSS")
-            try:
-                runner.activate()
-            except Exception as exc:  # noqa: BLE001 - a runtime that cannot load is a finding, not a crash
-                skipped += [{"artifact": runner.name, "batch": b, "reason": f"could not load: {_why(exc)}"}
-                            for b in batches]
-                done += len(batches)
-                continue
-            try:
-                for batch in batches:
-                    if emit:
-                        emit("benchmark", done / total, f"{runner.name} at batch {batch}")
-                    done += 1
-                    row = _measure_one(runner, sig, opts, batch, seed=seed, deadline=deadline,
-                                       left=total - done + 1, clock=clock, before_load=before_load)
-                    if "reason" in row:
-                        skipped.append(row)
-                        continue
-                    results.append({**row, "verified": runner.name == "eager" or runner.name in verified,
-                                    "threads": threads})
-            finally:
-                runner.deactivate()
+        for rnd in range(rounds):
+            for runner in runners:
+                keys = [(runner.name, b) for b in batches]
+                if all(k in why_not for k in keys):
+                    done += len(batches)
+                    continue
+                before_load = _status_mib("VmRSS")  # memory: what the runtime adds over this
+                try:
+                    runner.activate()
+                except Exception as exc:  # noqa: BLE001 - a runtime that cannot load is a finding, not a crash
+                    for k in keys:
+                        why_not.setdefault(k, f"could not load: {_why(exc)}")
+                    done += len(batches)
+                    continue
+                runtime_of[runner.name] = runner.runtime
+                try:
+                    for batch in batches:
+                        key = (runner.name, batch)
+                        done += 1
+                        if key in why_not:
+                            continue
+                        if emit:
+                            emit("benchmark", (done - 1) / total, f"{runner.name} at batch {batch}"
+                                 + (f" (round {rnd + 1} of {rounds})" if rounds > 1 else ""))
+                        # the runs split over the rounds; the first round's MIN_RUNS come whatever the
+                        # budget, so a stage cut short still has a p50 for what it reached
+                        got = _measure_one(runner, sig, opts, batch, seed=seed, deadline=deadline,
+                                           left=total - done + 1, clock=clock,
+                                           runs=opts.runs // rounds + (1 if rnd < opts.runs % rounds else 0),
+                                           min_runs=MIN_RUNS if rnd == 0 else 1, before_load=before_load)
+                        if isinstance(got, str):
+                            if not times.get(key):  # a later round's shortfall keeps what earlier rounds measured
+                                why_not[key] = got
+                            continue
+                        latencies, mib, peak = got
+                        times.setdefault(key, []).append(latencies)
+                        if mib is not None:
+                            memory[key] = max(memory.get(key, 0.0), mib)
+                        if peak is not None:
+                            peaks[key] = max(peaks.get(key, 0.0), peak)
+                finally:
+                    runner.deactivate()
     finally:
         torch.set_num_threads(threads_before)
+    results, skipped = [], []
+    for runner in runners:
+        for batch in batches:
+            key = (runner.name, batch)
+            pooled = [t for round_times in times.get(key, []) for t in round_times]
+            if len(pooled) < MIN_RUNS:
+                reason = why_not.get(key) or (f"only {len(pooled)} run(s) fit in the stage's max_seconds "
+                                              f"({opts.max_seconds:g} s)")
+                skipped.append({"artifact": runner.name, "batch": batch, "reason": reason})
+                continue
+            results.append({**_row(runner.name, runtime_of.get(runner.name), batch, times[key], memory.get(key)),
+                            "peak_rss_mib": peaks.get(key),
+                            "verified": runner.name == "eager" or runner.name in verified, "threads": threads})
     return {
         "results": results, "skipped": skipped, "recommendation": recommend(results), "machine": machine_info(),
-        "settings": {"batches": batches, "warmup": opts.warmup, "runs": opts.runs, "threads": threads,
-                     "max_seconds": opts.max_seconds},
+        "noise": noise(results), "no_clear_winner": no_clear_winner(results),
+        "settings": {"batches": batches, "warmup": opts.warmup, "runs": opts.runs, "rounds": rounds,
+                     "threads": threads, "max_seconds": opts.max_seconds},
         "seconds": round(clock() - started, 3),
     }
 
 
+def _row(name: str, runtime: str | None, batch: int, rounds: list[list[float]], memory_mib: float | None
+         ) -> dict[str, Any]:
+    ms = sorted(t * 1000 for r in rounds for t in r)
+    p50 = round(statistics.median(ms), 4)  # the throughput is the manifest's own p50's, exactly
+    medians = [round(statistics.median(r) * 1000, 4) for r in rounds if r]
+    return {"artifact": name, "batch": batch, "runtime": runtime, "p50_ms": p50,
+            "p50_range_ms": [min(medians), max(medians)], "round_p50_ms": medians,
+            "p95_ms": round(float(np.percentile(ms, 95)), 4), "mean_ms": round(statistics.fmean(ms), 4),
+            "throughput_per_s": round(batch * 1000 / p50, 2), "runs": len(ms), "rounds": len(medians),
+            "memory_mib": memory_mib}
+
+
 def _measure_one(runner: Runner, sig: InputSignature, opts: BenchmarkOptions, batch: int, *, seed: int,
-                 deadline: float, left: int, clock: Callable[[], float],
-                 before_load: float | None = None) -> dict[str, Any]:
+                 deadline: float, left: int, clock: Callable[[], float], runs: int, min_runs: int = 1,
+                 before_load: float | None = None) -> tuple[list[float], float | None, float | None] | str:
+    """One round of `runner` at `batch`: its latencies (s), the memory it added and the process's
+    peak (MiB), or why none."""
     point = point_for(sig, batch)
-    base = {"artifact": runner.name, "batch": batch}
     if isinstance(point, str):
-        return {**base, "reason": point}
+        return point
     remaining = deadline - clock()
     if remaining <= 0:
-        return {**base, "reason": f"the stage's max_seconds ({opts.max_seconds:g} s) ran out before it"}
+        return f"the stage's max_seconds ({opts.max_seconds:g} s) ran out before it"
     args = sig.make_inputs(point, seed=seed)
     measured_peak = _reset_peak_rss()
     try:
-        times = _timed_runs(runner, args, opts, remaining / max(left, 1), deadline, clock)
+        latencies = _timed_runs(runner, args, opts, runs, remaining / max(left, 1), deadline, clock, min_runs)
     except Exception as exc:  # noqa: BLE001
-        return {**base, "reason": f"failed at this batch: {_why(exc)}"}
-    if len(times) < MIN_RUNS:
-        return {**base, "reason": f"only {len(times)} run(s) fit in the stage's max_seconds ({opts.max_seconds:g} s)"}
-    ms = sorted(t * 1000 for t in times)
-    p50 = round(statistics.median(ms), 4)  # the throughput is the manifest's own p50's, exactly
+        return f"failed at this batch: {_why(exc)}"
     peak = _peak_rss_mib() if measured_peak else None
-    return {**base, "runtime": runner.runtime, "p50_ms": p50,
-            "p95_ms": round(float(np.percentile(ms, 95)), 4), "mean_ms": round(statistics.fmean(ms), 4),
-            "throughput_per_s": round(batch * 1000 / p50, 2), "runs": len(ms), "peak_rss_mib": peak,
-            "memory_mib": round(max(0.0, peak - before_load), 1) if peak is not None and before_load is not None
-            else None}
+    added = round(max(0.0, peak - before_load), 1) if peak is not None and before_load is not None else None
+    return latencies, added, peak
 
 
 def _why(exc: BaseException) -> str:

@@ -140,3 +140,36 @@ def test_an_artifacts_memory_is_what_it_adds_not_the_processes_peak():
             pytest.skip("this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs)")
         assert memory["big"] - memory["small"] > 100, (order, memory)
         assert memory["small"] < 60, (order, memory)
+
+
+class _Loaded(Runner):
+    """A runtime taking `ms` per run on a fake clock, `busy`× longer while the machine is busy."""
+
+    def __init__(self, name: str, ms: float, clock: list[float], busy: dict[str, float]) -> None:
+        self.name, self.runtime, self.ms, self.clock, self.busy = name, "test", ms, clock, busy
+
+    def activate(self) -> None:
+        self.busy["activations"] = self.busy.get("activations", 0) + (self.name == "eager")
+
+    def infer(self, args: tuple) -> list:
+        spell = self.busy["factor"] if self.busy.get("activations") == 2 else 1.0  # round 2 is busy
+        self.clock[0] += self.ms * spell / 1000
+        return []
+
+
+def test_rounds_spread_a_busy_spell_over_every_runtime_and_flag_it():
+    """A spell of load used to fall on one runtime (eager's batch-1 p50 read 6.06 ms in one run and
+    0.211 ms in the next, and the pick rested on "385× eager"). The runtimes now take turns in
+    rounds: the spell shows in every row's range, the machine is flagged noisy, and onnx, faster
+    in every round, is still the pick."""
+    now, busy = [0.0], {"factor": 20.0}
+    runners = [_Loaded("eager", 1.0, now, busy), _Loaded("onnx", 0.2, now, busy)]
+    bench = measure(runners, SIG, BenchmarkOptions(runs=30, warmup=0, batches=[1]), verified={"onnx"}, seed=0,
+                    clock=lambda: now[0])
+    rows = {r["artifact"]: r for r in bench["results"]}
+    assert all(r["rounds"] == 3 and r["runs"] == 30 for r in rows.values())
+    assert rows["eager"]["round_p50_ms"] == pytest.approx([1.0, 20.0, 1.0])
+    assert rows["onnx"]["round_p50_ms"] == pytest.approx([0.2, 4.0, 0.2])
+    assert bench["noise"]["noisy"] and bench["noise"]["worst"]["spread"] == pytest.approx(20.0)
+    assert rows["eager"]["p50_ms"] == pytest.approx(1.0)  # the p50 over all runs rides out one busy round
+    assert bench["recommendation"]["artifact"] == "onnx"  # eager is the baseline, not a competitor
