@@ -643,14 +643,16 @@ def _chart_html(chart: Any, chart_id: str) -> str:
 def _bar_chart(chart_id: str, labels: list[str], values: list[dict[str, Any]], *, horizontal: bool, title: str,
                value_fmt: str, size: tuple[int, int] | None = None) -> str:
     """One series of bars (a value may carry its own "color"). `size`: (width, height) of a small
-    vertical chart, values printed on the bars."""
+    vertical chart, without values printed on its bars (the y axis and the table give them)."""
     try:
         import pygal
     except ImportError:
         return _NO_PYGAL
     n = max(len(labels), 1)
+    # values printed on a small chart's bars overlapped them (a 0.03 ms bar beside a 0.3 ms one): the
+    # y axis gives the scale there, and the table below each chart the exact numbers
     common = dict(style=_style(colors=("#1a73e8",)), js=[], disable_xml_declaration=True, show_legend=False,
-                  title=title, print_values=horizontal or size is not None,
+                  title=title, print_values=horizontal,
                   value_formatter=lambda v: value_fmt.format(v), truncate_label=-1)
     if horizontal:
         chart = pygal.HorizontalBar(width=1100, height=90 + 28 * n, margin_left=10, **common)
