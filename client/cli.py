@@ -284,7 +284,11 @@ def jobs_list(
                                    page_token=page.next_page_token)
                 page = JobPage(page.jobs + more.jobs, more.next_page_token)
         if as_json:
-            _emit_json({"jobs": [j.to_dict() for j in page.jobs], "next_page_token": page.next_page_token})
+            from fxport.results import from_job
+
+            # each job as the result document (without the manifest's checks: one call per job would fetch it)
+            _emit_json({"jobs": [from_job("jobs list", j.to_dict(), exit_code=EXIT_OK).model_dump(mode="json")
+                                 for j in page.jobs], "next_page_token": page.next_page_token})
             return EXIT_OK
         import time as _time
 
@@ -360,7 +364,9 @@ def jobs_cancel(job_id: str, server: str = SERVER, token: str | None = TOKEN, as
         with Client(server, token=token) as client:
             job = client.cancel(job_id)
         if as_json:
-            _emit_json(job.to_dict())
+            from fxport.results import from_job
+
+            _emit_json(from_job("jobs cancel", job.to_dict(), exit_code=EXIT_OK).model_dump(mode="json"))
         else:
             print(f"job {job.id}: {job.state}")
         return EXIT_OK

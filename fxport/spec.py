@@ -326,6 +326,17 @@ def _default_targets() -> list[Target]:
     return ["torchscript", "onnx", "exported_program", "fx_source"]
 
 
+def check_elements(idx: int, inp: InputSpec, dims: dict[str, DynamicDim]) -> None:
+    """Refuse an input whose largest shape (each dynamic dim at its max) passes
+    MAX_ELEMENTS_PER_INPUT; a dim with no range yet is left out of the product."""
+    elements = 1
+    for d in inp.shape:
+        elements *= d if isinstance(d, int) else (dims[d].max if d in dims else 1)
+    if elements > MAX_ELEMENTS_PER_INPUT:
+        raise ValueError(f"inputs[{idx}] ({inp.name}) has up to {elements} elements; the limit is "
+                         f"{MAX_ELEMENTS_PER_INPUT}")
+
+
 class JobSpec(_Strict):
     inputs: list[InputSpec] = Field(default_factory=list, max_length=MAX_INPUTS)
     dynamic_dims: dict[str, DynamicDim] = Field(default_factory=dict)
@@ -406,22 +417,10 @@ class JobSpec(_Strict):
             raise ValueError(f"inputs: duplicate input names {sorted(dup)}")
         used: set[str] = set()
         for idx, inp in enumerate(self.inputs):
-            elements = 1
-            for d_i, d in enumerate(inp.shape):
-                if isinstance(d, str):
-                    used.add(d)
-                    if d not in self.dynamic_dims:
-                        raise ValueError(
-                            f"inputs[{idx}].shape[{d_i}] names dynamic dim {short_repr(d)}, which has no range; "
-                            f"add dynamic_dims: {{{d}: {{min: 1, opt: 8, max: 64}}}}"
-                        )
-                    elements *= self.dynamic_dims[d].max
-                else:
-                    elements *= d
-            if elements > MAX_ELEMENTS_PER_INPUT:
-                raise ValueError(
-                    f"inputs[{idx}] ({inp.name}) has up to {elements} elements; the limit is {MAX_ELEMENTS_PER_INPUT}"
-                )
+            used.update(d for d in inp.shape if isinstance(d, str))
+            # A dim named without a range takes the exported program's (a .pt2 carries its own); any
+            # other model is refused at load, naming the dim (workers/engine/inputs.py).
+            check_elements(idx, inp, self.dynamic_dims)
         unused = set(self.dynamic_dims) - used
         if unused and self.inputs:
             raise ValueError(f"dynamic_dims {sorted(unused)} are not used by any input shape")

@@ -236,3 +236,43 @@ def _admit_or_abort(refused: tuple[str, str] | None, resource: str, context: grp
                     "%s", resource, _REFUSAL_LOG_EVERY_S, why, extra={"rpc": method})
     context.set_trailing_metadata((BUSY_RETRY_METADATA,))
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+
+
+class TracingInterceptor(grpc.ServerInterceptor):
+    """Each call to fxport's own service is a span (`rpc.method`, the tenant, the job it names)
+    when tracing is on (fxport/tracing.py); nothing when it is off. Inside the auth interceptor,
+    which sets the tenant."""
+
+    def __init__(self, own_service: str) -> None:
+        self.prefix = f"/{own_service}/"
+
+    def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+        from fxport import tracing
+
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(self.prefix):
+            return handler
+        method = details.method[1:]
+
+        def attributes(request: Any) -> dict[str, Any]:
+            job_id = getattr(request, "job_id", None) or None  # a stream of requests (SubmitJob) names none
+            return {"rpc.method": method, "tenant": current_tenant(), "job_id": job_id}
+
+        def unary_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(request: Any, context: grpc.ServicerContext) -> Any:
+                if not tracing.enabled():
+                    return behavior(request, context)
+                with tracing.span(method, **attributes(request)):
+                    return behavior(request, context)
+            return wrapper
+
+        def stream_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(request: Any, context: grpc.ServicerContext) -> Any:
+                if not tracing.enabled():
+                    yield from behavior(request, context)
+                    return
+                with tracing.span(method, **attributes(request)):
+                    yield from behavior(request, context)
+            return wrapper
+
+        return wrap_handler(handler, unary_response, stream_response)

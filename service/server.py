@@ -26,7 +26,12 @@ from fxport.config import Settings
 from fxport.jobs import JobStore, SweepResult, open_job_store, sweep_orphans
 from fxport.periodic import PeriodicTask
 from fxport.service.auth import build_auth, server_credentials
-from fxport.service.interceptors import CallSlotsInterceptor, LoggingInterceptor, MetricsInterceptor
+from fxport.service.interceptors import (
+    CallSlotsInterceptor,
+    LoggingInterceptor,
+    MetricsInterceptor,
+    TracingInterceptor,
+)
 from fxport.service.limits import CallSlots, SpoolBudget, StreamSlots
 from fxport.service.servicer import ConversionServicer
 from fxport.service.tenancy import current_tenant
@@ -274,7 +279,7 @@ def create_server(
     server = grpc.server(
         ThreadPoolExecutor(max_workers=settings.grpc_max_workers, thread_name_prefix="fxport-rpc"),
         interceptors=[*rpc_metrics, *([auth] if auth else []),
-                      CallSlotsInterceptor(stream_slots, call_slots, SERVICE_NAME),
+                      CallSlotsInterceptor(stream_slots, call_slots, SERVICE_NAME), TracingInterceptor(SERVICE_NAME),
                       *interceptors, LoggingInterceptor(), BackendUnavailableInterceptor()],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
                  ("grpc.so_reuseport", 0)],

@@ -13,11 +13,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tomllib
+
+from tests.fixtures.client_venv import client_venv
 
 REPO = Path(__file__).resolve().parents[2]
 PINNED = ("grpcio", "grpcio-status", "protobuf")
@@ -45,22 +46,11 @@ def other_base_dependencies() -> list[str]:
 def low_python(tmp_path_factory) -> Path:
     """A venv with the lowest pins and the client's source on its path (the package folders mapped
     as pyproject.toml maps them: fxport/, client/ as fxport.client), without the engine or server."""
-    base = tmp_path_factory.mktemp("lowest-pins")
-    venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
+    python = client_venv(tmp_path_factory.mktemp("lowest-pins"))
     pins = [f"{name}=={version}" for name, version in lower_bounds().items()]
     proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
                            *pins, *other_base_dependencies()], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pkg = base / "src" / "fxport"
-    pkg.mkdir(parents=True)
-    for entry in (REPO / "fxport").iterdir():
-        if entry.name != "__pycache__":
-            (pkg / entry.name).symlink_to(entry)
-    (pkg / "client").symlink_to(REPO / "client")
-    site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "fxport-src.pth").write_text(str(base / "src") + "\n")
     return python
 
 

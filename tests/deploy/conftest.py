@@ -60,16 +60,22 @@ def gpu_without_keda(tmp_path_factory) -> Path:
     return directory
 
 
+def with_component(overlay: str, component: str, directory: Path) -> Path:
+    """A kustomization in `directory`: the overlay with one of the optional components added to
+    its own, as deploy/README.md says (kustomize refuses absolute paths: all point back relatively)."""
+    base = K8S / "overlays" / overlay
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    kustomization["resources"] = [os.path.relpath(base / r, directory) for r in kustomization["resources"]]
+    kustomization["components"] = [os.path.relpath(base / c, directory) for c in kustomization.get("components", [])
+                                   ] + [os.path.relpath(K8S / "components" / component, directory)]
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return directory
+
+
 @pytest.fixture(scope="session")
 def cpu_only_with_gvisor(tmp_path_factory) -> Path:
     """The cpu-only overlay with the optional gvisor-workers component added, as deploy/README.md says."""
-    cpu = K8S / "overlays" / "cpu-only"
-    kustomization = yaml.safe_load((cpu / "kustomization.yaml").read_text())
-    directory = tmp_path_factory.mktemp("cpu-only-gvisor")
-    kustomization["resources"] = [os.path.relpath(cpu / r, directory) for r in kustomization["resources"]]
-    kustomization["components"] = [os.path.relpath(K8S / "components" / "gvisor-workers", directory)]
-    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    return directory
+    return with_component("cpu-only", "gvisor-workers", tmp_path_factory.mktemp("cpu-only-gvisor"))
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ requests, a NetworkPolicy per workload)."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import yaml
 
 from fxport.config import Settings
 
-from .conftest import K8S, OVERLAYS, REPO, kustomize_build
+from .conftest import K8S, OVERLAYS, REPO, kustomize_build, with_component
 
 VARIANTS = (*OVERLAYS, "gpu-without-keda", "cpu-only-gvisor")
 # Oldest Kubernetes we claim (native gRPC probes, autoscaling/v2, policy/v1, PSA labels are
@@ -396,13 +395,7 @@ POD_METRICS_ENDPOINT_FIELDS = {"port", "path", "scheme", "interval", "scrapeTime
 def gpu_with_pod_monitor(tmp_path_factory) -> list[dict]:
     """The gpu overlay (API, CPU and GPU workers) with the optional prometheus-operator
     component added, as deploy/README.md says."""
-    gpu = K8S / "overlays" / "gpu"
-    kustomization = yaml.safe_load((gpu / "kustomization.yaml").read_text())
-    directory = tmp_path_factory.mktemp("gpu-prometheus-operator")
-    kustomization["resources"] = [os.path.relpath(gpu / r, directory) for r in kustomization["resources"]]
-    kustomization["components"] = [os.path.relpath(gpu / c, directory) for c in kustomization["components"]] + [
-        os.path.relpath(K8S / "components" / "prometheus-operator", directory)]
-    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    directory = with_component("gpu", "prometheus-operator", tmp_path_factory.mktemp("gpu-prometheus-operator"))
     return kustomize_build(directory, "--load-restrictor", "LoadRestrictionsNone")
 
 

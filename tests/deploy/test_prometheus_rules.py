@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from fxport.metrics import build_metrics
 
-from .conftest import K8S, REPO, kustomize_build
+from .conftest import K8S, REPO, kustomize_build, with_component
 
 COMPONENT = K8S / "components" / "prometheus-rules"
 
@@ -31,13 +31,7 @@ def _promtool() -> str:
 @pytest.fixture(scope="module")
 def rule(tmp_path_factory) -> dict:
     """The PrometheusRule as the component adds it to an overlay."""
-    base = K8S / "overlays" / "cpu-only"
-    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
-    directory = tmp_path_factory.mktemp("with-rules")
-    kustomization["resources"] = [os.path.relpath(base / r, directory) for r in kustomization["resources"]]
-    kustomization["components"] = [os.path.relpath(base / c, directory) for c in kustomization.get("components", [])
-                                   ] + [os.path.relpath(COMPONENT, directory)]
-    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    directory = with_component("cpu-only", "prometheus-rules", tmp_path_factory.mktemp("with-rules"))
     (found,) = [d for d in kustomize_build(directory, "--load-restrictor", "LoadRestrictionsNone")
                 if d["kind"] == "PrometheusRule"]
     return found

@@ -179,4 +179,4 @@ def test_a_filtered_listing_pages_past_the_share_one_call_examines(server, monke
                                    "--json"])
     assert res.exit_code == 0, res.output
     listed = _json.loads(res.stdout)
-    assert [j["id"] for j in listed["jobs"]] == [wanted] and listed["next_page_token"] == ""
+    assert [j["job_id"] for j in listed["jobs"]] == [wanted] and listed["next_page_token"] == ""

@@ -1,12 +1,12 @@
-"""A burst of CI pipelines of one tenant, each `submit` then `wait` (issue 42, item 8), scaled down.
+"""A burst of 100 CI pipelines of one tenant, each `submit` then `wait` (issue 42, item 8).
 
 Tried with 100 pipelines against the defaults (32 streams per tenant, 100 jobs in flight), 12
 failed at submit with ServerBusy: a submit is a client stream, and the pipelines already waiting
 held every stream slot with their WatchJob calls; past 100 jobs in flight the rest failed as
 TooLarge. Now a tenant's submits have their own budget (FXPORT_MAX_UPLOADS_PER_TENANT), waiters
 past the stream limit follow their jobs by polling, and a full queue is QueueFull with a
-retry-after, which the client honours by submitting again. Here: 24 pipelines against a stack
-whose limits are scaled down with them (4 streams, 2 submits, 5 jobs in flight per tenant), so
+retry-after, which the client honours by submitting again. Here: 100 pipelines against a stack
+whose limits are lower than the defaults (4 streams, 2 submits, 5 jobs in flight per tenant), so
 every limit is met many times over, on one real worker; every pipeline must succeed.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from tests.fixtures.servers import distributed_env, scaled, start_api, start_worker
 
 pytestmark = pytest.mark.slow
-PIPELINES = 24
+PIPELINES = 100
 REDIS_DB = 15  # a queue and job store of this test's own
 SPEC = {"targets": ["onnx"], "verify": {"samples": 1}}
 

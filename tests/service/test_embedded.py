@@ -43,7 +43,8 @@ def test_cli_submit_wait_out_json_on_embedded_server(embedded_server, tiny_pt2, 
 
     listed = json.loads(fxport("jobs", "list", "--label", "suite=embedded", "--server", embedded_server.address,
                                "--json").stdout)
-    assert [j["id"] for j in listed["jobs"]] == [doc["job_id"]]
+    assert [j["job_id"] for j in listed["jobs"]] == [doc["job_id"]]  # the result document, job by job
+    assert listed["jobs"][0]["created_at"].endswith("Z")
     again = tmp_path / "again"
     res = fxport("jobs", "download", doc["job_id"], "--out", str(again), "--name", "model.onnx",
                  "--server", embedded_server.address)
@@ -60,6 +61,18 @@ def test_cli_submit_wait_out_json_on_embedded_server(embedded_server, tiny_pt2, 
 
     with Client(embedded_server.address) as c, pytest.raises(RequestRefused, match="presigned"):
         c.artifact_url(doc["job_id"], "model.onnx")
+
+
+def test_a_failed_job_is_one_error_line_on_stderr_and_its_table_on_stdout(embedded_server, tiny_pt2, tmp_path):
+    """`submit --wait` printed a job's failure on stdout without the command's prefix; it is now the
+    error line every command prints, on stderr, and stdout keeps the job line for the person."""
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(b"not a model at all")
+    res = fxport("submit", str(junk), "--target", "onnx", "--server", embedded_server.address, "--wait")
+    assert res.returncode == 2, res.stderr
+    (line,) = [x for x in res.stderr.splitlines() if "error" in x]
+    assert line.startswith("fxport submit: error during load: job ") and " FAILED: " in line
+    assert "error" not in res.stdout and "FAILED" in res.stdout
 
 
 def test_cli_exit_codes(embedded_server, tiny_pt2, tmp_path):

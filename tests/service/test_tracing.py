@@ -72,7 +72,14 @@ def test_one_trace_spans_submit_the_job_and_its_stages(in_memory, tiny_pt2, tmp_
                    "the job's span")
     finally:
         srv.stop(grace=0)
-    _one_trace(list(in_memory.get_finished_spans()), job.id)
+    spans = list(in_memory.get_finished_spans())
+    _one_trace(spans, job.id)
+    # every call of the API is a span too: the submit's encloses fxport.SubmitJob, the watch names its job
+    (rpc,) = [s for s in spans if s.name == "fxport.v1.ConversionService/SubmitJob"]
+    (submit,) = [s for s in spans if s.name == "fxport.SubmitJob"]
+    assert submit.parent.span_id == rpc.context.span_id and rpc.attributes["tenant"] == "default"
+    assert any(s.name == "fxport.v1.ConversionService/WatchJob" and s.attributes.get("job_id") == job.id
+               for s in spans)
 
 
 class _Collector(http.server.ThreadingHTTPServer):

@@ -29,6 +29,7 @@ from fxport.serving.triton import (
     parse_config,
     write_triton_repository,
 )
+from tests.fixtures.client_venv import client_venv
 from tests.fixtures.servers import scaled
 
 FXPORT = [sys.executable, "-m", "fxport.client.cli"]
@@ -278,9 +279,7 @@ def test_the_client_install_packages_beside_tritonclient_without_a_downgrade(job
 
     repo_root = Path(__file__).resolve().parents[2]
     deps = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]["dependencies"]
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = str(venv / "bin" / "python")
+    python = str(client_venv(tmp_path))
     proc = subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *deps,
                            "tritonclient[grpc]"], capture_output=True, text=True, timeout=scaled(900))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -289,14 +288,6 @@ def test_the_client_install_packages_beside_tritonclient_without_a_downgrade(job
     version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('tritonclient'))"],
                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     assert tuple(int(p) for p in version.split(".")[:2]) >= (2, 73), f"tritonclient held back at {version}"
-    src = tmp_path / "src" / "fxport"
-    src.mkdir(parents=True)
-    for entry in (repo_root / "fxport").iterdir():
-        if entry.name != "__pycache__":
-            (src / entry.name).symlink_to(entry)
-    (src / "client").symlink_to(repo_root / "client")
-    site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "fxport-src.pth").write_text(str(src.parent) + "\n")
 
     repo = tmp_path / "repo"
     made = subprocess.run([python, "-m", "fxport.client.cli", "package", "triton", str(job), "--name", "two",

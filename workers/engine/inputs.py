@@ -86,6 +86,7 @@ def resolve_signature(spec: JobSpec, loaded: Any) -> InputSignature:
         if from_program is not None:
             _check_against_program(sig, from_program)
             sig.int_ranges = from_program.int_ranges
+        _ranges_for_named_dims(sig, from_program, getattr(loaded, "format", None) or "model")
         return sig
     if from_program is not None:
         return from_program
@@ -145,6 +146,32 @@ def _signature_from_program(ep: Any, example: tuple[Any, ...] | None) -> InputSi
             int_ranges[name] = (int(ex.min()), int(ex.max()) + 1)
         inputs.append(InputSpec(name=name, shape=shape, dtype=dtype))
     return InputSignature(inputs=inputs, dynamic_dims=dyn, int_ranges=int_ranges, notes=notes)
+
+
+def _ranges_for_named_dims(sig: InputSignature, prog: InputSignature | None, fmt: str) -> None:
+    """A dynamic dim the spec names without a range takes the exported program's at the same place
+    (the program names its dims its own way: position says which); with no program, the model is
+    refused naming the dim. The filled ranges are held to the spec's element limit too."""
+    from fxport.spec import check_elements
+
+    for idx, inp in enumerate(sig.inputs):
+        for d_i, d in enumerate(inp.shape):
+            if not isinstance(d, str) or d in sig.dynamic_dims:
+                continue
+            theirs = prog.inputs[idx].shape[d_i] if prog is not None else None
+            if prog is None or not isinstance(theirs, str):
+                raise InvalidInput(
+                    f"inputs[{idx}].shape[{d_i}] names dynamic dim {d!r}, which has no range, and a "
+                    f"{fmt.replace('_', ' ')} model carries none",
+                    stage="load", field="dynamic_dims",
+                    hint=f"add dynamic_dims: {{{d}: {{min: 1, opt: 8, max: 64}}}}, or --dynamic-dim {d}=1:8:64")
+            sig.dynamic_dims[d] = prog.dynamic_dims[theirs]
+            sig.notes.append(f"dynamic dim {d!r} takes the exported program's range "
+                             f"{prog.dynamic_dims[theirs].min}..{prog.dynamic_dims[theirs].max}")
+        try:
+            check_elements(idx, inp, sig.dynamic_dims)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), stage="load", field=f"inputs[{idx}].shape") from None
 
 
 def _check_against_program(sig: InputSignature, prog: InputSignature) -> None:

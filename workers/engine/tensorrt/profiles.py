@@ -181,6 +181,12 @@ def signature_from_onnx(model: Any, inputs: Sequence[InputSpec], dynamic_dims: M
                                    stage="load", field="inputs")
             ordered.append(spec_input)
         used = {d for i in ordered for d in i.shape if isinstance(d, str)}
+        unranged = sorted(used - set(dynamic_dims))
+        if unranged:
+            raise InvalidInput(f"spec.inputs names dynamic dim {unranged[0]!r}, which has no range, and an ONNX model "
+                               "carries none", stage="load", field="dynamic_dims",
+                               hint=f"add dynamic_dims: {{{unranged[0]}: {{min: 1, opt: 8, max: 64}}}}, or "
+                                    f"--dynamic-dim {unranged[0]}=1:8:64")
         return InputSignature(inputs=ordered, dynamic_dims={k: v for k, v in dynamic_dims.items() if k in used})
     specs = []
     for name, dims, elem in graph_inputs:
