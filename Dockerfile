@@ -45,6 +45,7 @@ COPY fxport ./fxport
 COPY service ./service
 COPY workers ./workers
 COPY client ./client
+COPY cli ./cli
 COPY proto ./proto
 
 FROM build-base AS build-api
@@ -116,6 +117,7 @@ COPY fxport ./fxport
 COPY service ./service
 COPY workers ./workers
 COPY client ./client
+COPY cli ./cli
 COPY proto ./proto
 RUN python3 -m venv --without-pip --system-site-packages /opt/venv \
  && python3 -m pip --python /opt/venv/bin/python install --index-url "${TORCH_CUDA_INDEX}" "torch==${TORCH_VERSION}" \

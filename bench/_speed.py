@@ -17,7 +17,7 @@ Seven variants, alternated round robin in one run (the best of each is reported)
   about as much as the script does;
 - warm worker: `run_engine_job` in this process, forked from the warm zygote (started by an
   untimed warm-up job first): what a worker pays per job;
-- `python -c "import fxport.client.cli"` and `python -c "import torch, onnx, onnxruntime"`:
+- `python -c "import fxport.cli"` and `python -c "import torch, onnx, onnxruntime"`:
   interpreter start + imports, what a cold start costs before any work.
 """
 
@@ -148,7 +148,7 @@ def speed_section(rounds: int, machine_line: str) -> str:
         def cli(spec_path: Path):
             def run(out: Path) -> tuple[float, dict[str, Any]]:
                 targets = [a for t in TARGETS for a in ("--target", t)]
-                wall, _ = _run([py, "-m", "fxport.client.cli", "convert", str(model), "--spec", str(spec_path),
+                wall, _ = _run([py, "-m", "fxport.cli", "convert", str(model), "--spec", str(spec_path),
                                 *targets, "--out", str(out)], d)
                 return wall, json.loads((out / "manifest.json").read_text())
             return run
@@ -156,7 +156,7 @@ def speed_section(rounds: int, machine_line: str) -> str:
         def warm(out: Path) -> tuple[float, dict[str, Any]]:
             request = EngineRequest(model_path=model, spec=spec, out_dir=out, job_id=f"bench-{uuid.uuid4().hex[:8]}")
             t = time.perf_counter()
-            manifest = run_engine_job(request)
+            manifest = run_engine_job(request).to_dict()
             return time.perf_counter() - t, manifest
 
         def imports(code: str):
@@ -165,7 +165,7 @@ def speed_section(rounds: int, machine_line: str) -> str:
         variants = {
             "plain": plain("bare"), "same_work": plain("same-work"), "cli": cli(spec_file),
             "cli_small": cli(small_spec_file), "warm": warm,
-            "import_cli": imports("import fxport.client.cli"),
+            "import_cli": imports("import fxport.cli"),
             "import_stack": imports("import torch, onnx, onnxruntime"),
         }
         try:
@@ -193,7 +193,7 @@ def speed_section(rounds: int, machine_line: str) -> str:
         "cli_small": "`fxport convert` CLI, cold, verification cut to about the plain script's (batch range 1-2, "
                      "1 sample: every artifact at batch 1 and 2)",
         "warm": "warm worker (`run_engine_job`, forked from the warm zygote)",
-        "import_cli": "`python -c \"import fxport.client.cli\"`",
+        "import_cli": "`python -c \"import fxport.cli\"`",
         "import_stack": "`python -c \"import torch, onnx, onnxruntime\"`",
     }
 

@@ -54,7 +54,7 @@ def main() -> None:
             for label, spec in (("without", plain), ("with", benched)):
                 t = time.perf_counter()
                 m = run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=d / f"{label}-{i}",
-                                                 job_id=f"{label}-{i}", timeout_s=1800))
+                                                 job_id=f"{label}-{i}", timeout_s=1800)).to_dict()
                 walls[label].append(time.perf_counter() - t)
                 print(f"round {i}: {label} benchmark {walls[label][-1]:.1f} s", flush=True)
                 if label == "with":

@@ -297,7 +297,7 @@ def _store_traffic_process(conn: Any, bucket: str, endpoint: str) -> None:
     ("model", path, tenant) → PUT through a presigned URL, fetch back, answer the local copy;
     ("job", out, tenant, job_id) → start uploading `out`'s artifacts early and fetching them
     back; ("offer",) → look for new files; ("finish",) → wait for all that, answer the names."""
-    from fxport.client.client import _put_file
+    from fxport.client.presigned import put_file
     from fxport.digest import sha256_file
     from fxport.storage import S3Store, input_key
     from fxport.workers.artifact_upload import EarlyUpload
@@ -311,7 +311,7 @@ def _store_traffic_process(conn: Any, bucket: str, endpoint: str) -> None:
             path, tenant = Path(cmd[1]), cmd[2]
             digest, size = sha256_file(path)
             url, headers = store.presigned_put(input_key(tenant, digest), sha256=digest, size=size)
-            _put_file(url, headers, path)
+            put_file(url, headers, path)
             local = path.parent / f"{path.stem}-fetched" / "model.pt2"
             local.parent.mkdir()
             store.get(input_key(tenant, digest), local)

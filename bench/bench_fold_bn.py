@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._report import machine, write_section  # noqa: E402
 from bench.bench_engine import latency_ms  # noqa: E402
-from fxport.spec import FuseConvBnOptions  # noqa: E402
+from fxport.pass_catalog import FuseConvBnOptions  # noqa: E402
 from fxport.workers.engine.passes.fuse_conv_bn import fuse_conv_bn  # noqa: E402
 from tests.workers.passes.conftest import capture, context, randomize_batchnorm  # noqa: E402
 from tests.workers.passes.test_fuse_conv_bn import LeViTStyle, batchnorm_left  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
     opts = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    # two cores shared with other work: one thread keeps the figures comparable (ENVIRONMENT.md)
+    # two cores shared with other work: one thread keeps the figures comparable
     torch.set_num_threads(1)
     runs = 5 if opts.quick else 30
 

@@ -48,8 +48,9 @@ import copy, json, resource, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import fxport.report as report
+import fxport.report.bounds as bounds
 if sys.argv[1] == "unbounded":
-    report.MAX_REPORT_ITEMS = report.MAX_REPORT_CHARS = report.MAX_REPORT_BYTES = 1 << 40
+    bounds.MAX_REPORT_ITEMS = bounds.MAX_REPORT_CHARS = bounds.MAX_REPORT_BYTES = 1 << 40
 base = json.loads(Path(sys.argv[2], "tests/report/fixtures/manifest_resnet18_int8.json").read_text())
 m = copy.deepcopy(base)
 m["verification"] = base["verification"] * 1000

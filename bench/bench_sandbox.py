@@ -161,7 +161,7 @@ def main() -> None:
                     z0 = own_cpu(pid)
                     manifest: list[dict] = []
                     request = EngineRequest(model_path=model, spec=spec, out_dir=d / f"w{i}-{pid}", job_id=f"w{i}")
-                    results[label].append(timed(lambda: manifest.append(run_engine_job(request))))
+                    results[label].append(timed(lambda: manifest.append(run_engine_job(request).to_dict())))
                     setup_ms[label].append(manifest[0]["sandbox"]["setup_ms"])
                     u1, s1, _ = children_usage(pid)
                     cpu[label].append((u1 - u0 + s1 - s0, own_cpu(pid) - z0))

@@ -1,4 +1,5 @@
-"""Thin client library and the `fxport` CLI. Never imports torch, celery, onnx, boto3 or redis.
+"""The thin gRPC client library. Never imports torch, celery, onnx, boto3 or redis; the `fxport`
+command line built on it is its own room (cli/, fxport.cli).
 
     from fxport.client import Client
     with Client("127.0.0.1:50051") as c:
@@ -23,8 +24,8 @@ from fxport.client.client import (
     DEFAULT_SERVER,
     Client,
     Job,
-    JobEvent,
     JobPage,
+    ProgressEvent,
 )
 from fxport.client.errors import (
     AuthFailed,
@@ -40,6 +41,6 @@ from fxport.client.errors import (
 from fxport.errors import FxportError
 
 __all__ = [
-    "Client", "Job", "JobEvent", "JobPage", "FxportError", "ServerUnreachable", "AuthFailed", "JobNotFound",
+    "Client", "Job", "ProgressEvent", "JobPage", "FxportError", "ServerUnreachable", "AuthFailed", "JobNotFound",
     "TooLarge", "RequestRefused", "ServerBusy", "QueueFull", "WaitTimeout", "IntegrityError", "DEFAULT_SERVER",
 ]

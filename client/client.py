@@ -4,163 +4,67 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import random
-import shutil
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from fxport.client import presigned
+from fxport.client.downloads import EarlyDownloads, safe_relative
 from fxport.client.errors import (
     IntegrityError,
     JobNotFound,
     RequestRefused,
     ServerUnreachable,
-    TooLarge,
     WaitTimeout,
     from_rpc_error,
     is_busy,
     is_queue_full,
     retry_after,
 )
-from fxport.digest import remembered_sha256, write_checked
+from fxport.client.events import TERMINAL, ProgressEvent, artifact_dict, state_name, timestamp
+from fxport.client.presigned import CHUNK
+from fxport.client.uploads import KINDS, SubmitFiles, UploadStream
+from fxport.digest import write_checked
 from fxport.errors import InvalidInput
+from fxport.retry import Backoff, retry_call
 from fxport.text import printable
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
 
-__all__ = ["Client", "Job", "JobEvent", "JobPage", "DEFAULT_SERVER"]
+__all__ = ["Client", "Job", "ProgressEvent", "JobPage", "DEFAULT_SERVER"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVER = "127.0.0.1:50051"
-CHUNK = 1 << 20
 DOWNLOAD_STREAMS = 4
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 _MAX_MESSAGE = 8 << 20
 
-
-DIRECT_URL_EXPIRY_S = 300
-DIRECT_TIMEOUT_S = 5.0  # connect, and each read: a store that can't be reached from here costs this once
-DIRECT_UPLOAD_IO_TIMEOUT_S = 60.0  # once connected, each write of an upload and the store's answer
-
-
-class _DirectUnavailable(Exception):
-    """The object store did not serve a presigned URL from here (unreachable, refused, expired)."""
+# Between tries of a call the server refused for now (UNAVAILABLE, busy, a full queue), and
+# between reconnects of a dropped WatchJob stream: 0.2 s, doubling, at most 5 s, ±20 %.
+CALL_BACKOFF = Backoff(first_s=0.2, max_s=5.0)
+# Between the tries of one artifact's download when the server cannot be reached: 0.5 s, then 1 s.
+DOWNLOAD_BACKOFF = Backoff(first_s=0.5, max_s=1.0, jitter=0.0)
+DOWNLOAD_ATTEMPTS = 3
 
 
-def _url_chunks(url: str) -> Iterator[bytes]:
-    """GET `url` in CHUNK pieces. Any failure to get the bytes (unreachable, refused, expired,
-    cut off) raises _DirectUnavailable: the caller has the server relay the artifact instead."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=DIRECT_TIMEOUT_S) as resp:
-            while chunk := resp.read(CHUNK):
-                yield chunk
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise _DirectUnavailable(str(getattr(exc, "reason", exc))) from None
+def _refused_for_now(err: BaseException) -> bool:
+    """A refusal worth trying again: the tenant's queue is full, a capacity every tenant shares
+    is taken, or the server (or its backend) is UNAVAILABLE."""
+    return isinstance(err, grpc.RpcError) and (
+        is_queue_full(err) or is_busy(err) or err.code() == grpc.StatusCode.UNAVAILABLE)
 
 
-def _put_file(url: str, headers: Mapping[str, str], path: Path) -> None:
-    """PUT the file at `path` to a presigned `url` with exactly `headers`, streamed from disk.
-    Any failure (unreachable, refused, expired, the bytes not matching the signed sha256)
-    raises _DirectUnavailable: the caller sends the bytes through the server instead."""
-    import http.client
-    import urllib.parse
-
-    parts = urllib.parse.urlsplit(url)
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = kind(parts.hostname or "", parts.port, timeout=DIRECT_TIMEOUT_S, blocksize=CHUNK)
-    try:
-        conn.connect()
-        if conn.sock is not None:  # connected: from here on the store may take its time per write
-            conn.sock.settimeout(DIRECT_UPLOAD_IO_TIMEOUT_S)
-        with open(path, "rb") as body:
-            conn.request("PUT", parts.path + (f"?{parts.query}" if parts.query else ""), body=body,
-                         headers=dict(headers))
-            resp = conn.getresponse()
-            answer = resp.read(4096)
-        if resp.status != 200:
-            raise _DirectUnavailable(f"the store answered {resp.status}: {answer[:300].decode('utf-8', 'replace')}")
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        raise _DirectUnavailable(str(exc)) from None
-    finally:
-        conn.close()
-
-
-def _state_name(value: int) -> str:
-    return pb.JobState.Name(value).removeprefix("JOB_STATE_")
-
-
-def _ts(msg: Any, field_name: str) -> float | None:
-    if not msg.HasField(field_name):
-        return None
-    return getattr(msg, field_name).ToNanoseconds() / 1e9
-
-
-def _spec_text(spec: Any) -> str:
-    if spec is None:
-        return ""
-    if isinstance(spec, Path):
-        return spec.read_text()
-    if isinstance(spec, str):
-        return spec
-    if hasattr(spec, "model_dump"):  # a JobSpec
-        return json.dumps(spec.model_dump(mode="json"))
-    if isinstance(spec, Mapping):
-        return json.dumps(dict(spec))
-    raise TypeError(f"spec must be a mapping, a JobSpec, YAML/JSON text or a Path, not {type(spec).__name__}")
-
-
-def _artifact_dict(a: pb.Artifact) -> dict[str, Any]:
-    return {"name": a.name, "format": a.format, "key": a.key, "bytes": a.bytes, "sha256": a.sha256}
-
-
-def _safe_relative(name: str) -> PurePosixPath:
-    """An artifact name from the server, as a path that cannot leave the destination folder."""
-    p = PurePosixPath(name)
-    if not name or p.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")) or "\\" in name:
-        raise IntegrityError(f"server sent an unsafe artifact name {name!r}")
-    return p
-
-
-@dataclass(frozen=True)
-class JobEvent:
-    seq: int
-    job_id: str
-    state: str
-    stage: str
-    progress: float
-    message: str
-    time: float | None
-    # An artifact the worker stored while the job still runs (not verified yet): Job.wait's
-    # download_to fetches it at once and keeps it if the finished job lists the same sha256.
-    staged: dict[str, Any] | None = None
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL
-
-    @classmethod
-    def from_pb(cls, ev: pb.JobEvent) -> JobEvent:
-        return cls(seq=ev.seq, job_id=ev.job_id, state=_state_name(ev.state), stage=printable(ev.stage),
-                   progress=ev.progress, message=printable(ev.message), time=_ts(ev, "time"),
-                   staged=_artifact_dict(ev.staged) if ev.HasField("staged") else None)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"seq": self.seq, "job_id": self.job_id, "state": self.state, "stage": self.stage,
-                "progress": self.progress, "message": self.message, "time": self.time, "staged": self.staged}
+def _queue_wait(err: BaseException) -> float | None:
+    """The `retry-after` a full queue's refusal asks for; None: the backoff's own pause."""
+    return (retry_after(err) or None) if isinstance(err, grpc.RpcError) and is_queue_full(err) else None
 
 
 class Job:
@@ -186,7 +90,7 @@ class Job:
 
     @property
     def state(self) -> str:
-        return _state_name(self._msg.state)
+        return state_name(self._msg.state)
 
     @property
     def stage(self) -> str:
@@ -205,21 +109,22 @@ class Job:
         return self.state == "SUCCEEDED"
 
     @property
-    def error(self) -> dict[str, str] | None:
+    def error(self) -> dict[str, str | None] | None:
+        """The job's error record (fxport.errors.ErrorRecord's fields), or None."""
         if not self._msg.HasField("error"):
             return None
         e = self._msg.error
         return {"stage": printable(e.stage), "code": printable(e.code), "message": printable(e.message),
-                "detail": printable(e.detail)}
+                "detail": printable(e.detail), "field": printable(e.field) or None}
 
     @property
     def artifacts(self) -> list[dict[str, Any]]:
-        return [_artifact_dict(a) for a in self._msg.artifacts]
+        return [artifact_dict(a) for a in self._msg.artifacts]
 
     @property
     def staged_artifacts(self) -> list[dict[str, Any]]:
         """Artifacts already stored while the job runs, before verification ended (empty once it ends)."""
-        return [_artifact_dict(a) for a in self._msg.staged_artifacts]
+        return [artifact_dict(a) for a in self._msg.staged_artifacts]
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -240,11 +145,11 @@ class Job:
                              "filename": m.calibration.filename} if m.HasField("calibration") else None),
             "spec": self.spec, "spec_digest": m.spec_digest, "cache_hit": m.cache_hit, "worker": m.worker,
             "attempts": m.attempts, "idempotency_key": m.idempotency_key or None, "last_seq": m.last_seq,
-            "stage_timings": [{"stage": t.stage, "started_at": _ts(t, "started_at"),
-                               "finished_at": _ts(t, "finished_at")} for t in m.stage_timings],
+            "stage_timings": [{"stage": t.stage, "started_at": timestamp(t, "started_at"),
+                               "finished_at": timestamp(t, "finished_at")} for t in m.stage_timings],
         }
         for f in ("created_at", "updated_at", "started_at", "finished_at"):
-            out[f] = _ts(m, f)
+            out[f] = timestamp(m, f)
         return out
 
     # -- calls -----------------------------------------------------------------------------
@@ -256,11 +161,11 @@ class Job:
         self._msg = self._client._call(self._client._stub.CancelJob, pb.CancelJobRequest(job_id=self.id))
         return self
 
-    def events(self, after_seq: int = 0, timeout: float | None = None) -> Iterator[JobEvent]:
+    def events(self, after_seq: int = 0, timeout: float | None = None) -> Iterator[ProgressEvent]:
         """Events until the job ends, reconnecting (from the last seq) when the stream drops."""
         c = self._client
         deadline = None if timeout is None else time.monotonic() + timeout
-        after, backoff, down_since = after_seq, 0.2, None
+        after, reconnects, down_since = after_seq, 0, None
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -269,11 +174,11 @@ class Job:
                 stream = c._stub.WatchJob(pb.WatchJobRequest(job_id=self.id, after_seq=after),
                                           timeout=remaining, metadata=c._metadata)
                 for ev in stream:
-                    down_since, backoff = None, 0.2
+                    down_since, reconnects = None, 0
                     after = ev.seq
                     if ev.HasField("job"):
                         self._msg = ev.job
-                    event = JobEvent.from_pb(ev)
+                    event = ProgressEvent.from_pb(ev)
                     yield event
                     if event.terminal:
                         if not ev.HasField("job"):
@@ -299,17 +204,17 @@ class Job:
                     if time.monotonic() - down_since > c.reconnect_s:
                         raise from_rpc_error(err, c.target) from None
             # The stream ended without a terminal event (server restart), dropped, or was refused: resume.
-            pause = backoff if deadline is None else min(backoff, max(0.0, deadline - time.monotonic()))
-            time.sleep(pause)
-            backoff = min(backoff * 2, 5.0)
+            reconnects += 1
+            pause = CALL_BACKOFF.pause(reconnects)
+            time.sleep(pause if deadline is None else min(pause, max(0.0, deadline - time.monotonic())))
 
-    def _final_event(self) -> JobEvent:
+    def _final_event(self) -> ProgressEvent:
         """The terminal event, from the job record just read (when no stream told it)."""
         m = self._msg
-        return JobEvent(seq=m.last_seq, job_id=m.id, state=self.state, stage=m.stage, progress=m.progress,
-                        message=m.message, time=_ts(m, "finished_at") or _ts(m, "updated_at"))
+        return ProgressEvent(seq=m.last_seq, job_id=m.id, state=self.state, stage=m.stage, progress=m.progress,
+                        message=m.message, time=timestamp(m, "finished_at") or timestamp(m, "updated_at"))
 
-    def wait(self, timeout: float | None = None, on_event: Callable[[JobEvent], Any] | None = None,
+    def wait(self, timeout: float | None = None, on_event: Callable[[ProgressEvent], Any] | None = None,
              download_to: str | os.PathLike[str] | None = None) -> Job:
         """Block until the job is SUCCEEDED, FAILED or CANCELLED; WaitTimeout after `timeout` s.
 
@@ -323,7 +228,7 @@ class Job:
         finished job lists, and the hidden folder is always removed. A job that failed or was
         cancelled raises nothing here, with or without `download_to`: `state` and `error` say so."""
         dest = None if download_to is None else Path(download_to)
-        with _EarlyDownloads(self, dest) if dest is not None else contextlib.nullcontext() as early:
+        with EarlyDownloads(self, dest) if dest is not None else contextlib.nullcontext() as early:
             for event in self.events(timeout=timeout):
                 if early is not None and event.staged is not None:
                     early.fetch(event.staged)
@@ -356,7 +261,7 @@ class Job:
         if names is not None and len(wanted) != len(set(names)):
             missing = set(names) - {a["name"] for a in wanted}
             raise JobNotFound(f"job {self.id} has no artifact(s) {sorted(missing)}")
-        targets = [dest_dir.joinpath(*_safe_relative(art["name"]).parts) for art in wanted]
+        targets = [dest_dir.joinpath(*safe_relative(art["name"]).parts) for art in wanted]
 
         def fetch(art: dict[str, Any], target: Path) -> Path:
             have = early.get(art["name"])
@@ -364,14 +269,8 @@ class Job:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(have[0], target)  # checked against this sha256 as it was written
                 return target
-            for attempt in range(3):
-                try:
-                    self._client._download_one(self.id, art, target)
-                    break
-                except ServerUnreachable:
-                    if attempt == 2:
-                        raise
-                    time.sleep(0.5 * (attempt + 1))
+            retry_call(lambda: self._client._download_one(self.id, art, target), retry_if=ServerUnreachable,
+                       max_attempts=DOWNLOAD_ATTEMPTS, backoff=DOWNLOAD_BACKOFF)
             return target
 
         if len(wanted) <= 1:
@@ -381,60 +280,6 @@ class Job:
 
         with ThreadPoolExecutor(max_workers=min(DOWNLOAD_STREAMS, len(wanted))) as pool:
             return list(pool.map(fetch, wanted, targets))
-
-
-class _EarlyDownloads:
-    """Job.wait(download_to=...): each artifact stored while the job runs is fetched at once
-    (two at a time) into `dest/.fxport-<job id>.partial/`, which is always removed on exit."""
-
-    STREAMS = 2
-
-    def __init__(self, job: Job, dest: Path) -> None:
-        self.job = job
-        self.dir = dest / f".fxport-{job.id}.partial"
-        self._pool: Any = None
-        self._futures: list[Any] = []
-        self._lock = threading.Lock()
-        self._fetched: dict[str, tuple[Path, str]] = {}
-
-    def __enter__(self) -> _EarlyDownloads:
-        return self
-
-    def fetch(self, art: dict[str, Any]) -> None:
-        try:
-            rel = _safe_relative(art["name"])
-        except IntegrityError as exc:
-            log.warning("not fetching early: %s", exc)
-            return
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._pool = ThreadPoolExecutor(max_workers=self.STREAMS, thread_name_prefix="fxport-early")
-        # A folder per offer: the worker may store the same name again while an older copy comes down.
-        target = self.dir.joinpath(str(len(self._futures)), *rel.parts)
-        self._futures.append(self._pool.submit(self._fetch, art, target))
-
-    def _fetch(self, art: dict[str, Any], target: Path) -> None:
-        try:
-            self.job._client._download_one(self.job.id, art, target, early=True)
-        except Exception as exc:  # noqa: BLE001 - only a head start: fetched again at the end
-            log.info("early download of %s failed: %s", art["name"], exc)
-            return
-        with self._lock:
-            self._fetched[art["name"]] = (target, art["sha256"])
-
-    def finish(self) -> dict[str, tuple[Path, str]]:
-        """Wait for the fetches under way; name → (file, sha256) of the latest copy of each."""
-        for future in self._futures:
-            future.result()
-        with self._lock:
-            return dict(self._fetched)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @dataclass
@@ -512,30 +357,22 @@ class Client:
         self._channel.close()
 
     def _retrying(self, attempt: Callable[[], Any]) -> Any:
-        """`attempt()` again with backoff while it fails UNAVAILABLE and the budget lasts.
-        Only for calls that are safe to repeat."""
-        started, delay = time.monotonic(), 0.2
-        while True:
-            try:
-                return attempt()
-            except grpc.RpcError as err:
-                if is_queue_full(err):  # the tenant's own queue: room comes as its jobs finish
-                    wait = retry_after(err) or delay
-                    if time.monotonic() - started + wait > self.queue_wait_s:
-                        raise
-                    time.sleep(wait * random.uniform(0.8, 1.2))
-                    continue
-                if is_busy(err):  # shared capacity taken (a stream slot, spool space): it frees as calls end
-                    budget = self.retry_s
-                elif err.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                else:
-                    backend_down = ("fxport-retry", "backend") in tuple(err.trailing_metadata() or ())
-                    budget = self.retry_s if backend_down else min(self.retry_s, self.UNREACHABLE_RETRY_S)
-                if time.monotonic() - started + delay > budget:
-                    raise
-                time.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, 5.0)
+        """`attempt()` again with backoff while the server refuses it for now and the budget lasts
+        (`_retry_budget`). Only for calls that are safe to repeat."""
+        return retry_call(attempt, retry_if=_refused_for_now, deadline_s=self._retry_budget, backoff=CALL_BACKOFF,
+                          retry_after=_queue_wait)
+
+    def _retry_budget(self, err: BaseException) -> float:
+        """How long a call refused with `err` may be tried again: a full queue (the tenant's own:
+        room comes as its jobs finish) for `queue_wait_s`; shared capacity taken (a stream slot,
+        spool space: it frees as calls end) or a server reporting its backend down for
+        `retry_s`; a server that does not answer at all only briefly."""
+        assert isinstance(err, grpc.RpcError)  # _refused_for_now lets nothing else through
+        if is_queue_full(err):
+            return self.queue_wait_s
+        if is_busy(err) or ("fxport-retry", "backend") in tuple(err.trailing_metadata() or ()):
+            return self.retry_s
+        return min(self.retry_s, self.UNREACHABLE_RETRY_S)
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:
@@ -568,99 +405,70 @@ class Client:
         bytes are sent either (`Job.upload` says which). `no_cache`: convert even if a
         cached result exists. Without `idempotency_key` one is generated, so that retrying
         after a lost response returns the same job."""
-        model = Path(model_path)
-        if not model.is_file():
-            raise InvalidInput(f"model file {str(model)!r} not found", field="model")
-        calib = Path(calibration) if calibration is not None else None
-        if calib is not None and not calib.is_file():
-            raise InvalidInput(f"calibration file {str(calib)!r} not found", field="calibration")
-        text = _spec_text(spec)
-        model_sha, model_size = remembered_sha256(model)
-        calib_sha, calib_size = remembered_sha256(calib) if calib else ("", 0)
-        idempotency_key = idempotency_key or f"auto-{uuid.uuid4().hex}"
-        ask = pb.CheckUploadRequest(
-            model_sha256=model_sha, calibration_sha256=calib_sha, spec=text, no_cache=no_cache,
-            model_size=model_size, calibration_size=calib_size, direct_upload=self._direct_upload_works is not False)
-        if not no_cache:  # a cached result comes back as the job itself: one round trip
-            ask.submit_if_cached.CopyFrom(pb.SubmitHeader(
-                spec=text, idempotency_key=idempotency_key,
-                model=pb.FileHeader(filename=model.name, size=model_size, sha256=model_sha, stored=True)))
-            if calib is not None:
-                ask.submit_if_cached.calibration.CopyFrom(pb.FileHeader(filename=calib.name, size=calib_size,
-                                                                        sha256=calib_sha, stored=True))
-        check = self._call(self._stub.CheckUpload, ask)
+        files = SubmitFiles.read(model_path, spec, calibration, idempotency_key or f"auto-{uuid.uuid4().hex}",
+                                 no_cache)
+        check = self._call(self._stub.CheckUpload,
+                           files.check_request(direct_upload=self._direct_upload_works is not False))
         if check.HasField("job"):
             job = Job(self, check.job)
             job.upload = {"sent_bytes": 0, "skipped": "cache_hit" if check.job.cache_hit else "model_stored",
                           "direct": False}
             return job
-        if check.max_upload_bytes and max(model_size, calib_size) > check.max_upload_bytes:
-            big = "model" if model_size >= calib_size else "calibration"
-            raise TooLarge(f"{big} is {max(model_size, calib_size)} bytes; the server accepts at most "
-                           f"{check.max_upload_bytes} bytes")
+        files.check_size(check.max_upload_bytes)
+        direct = self._put_offered(files, check)
         # A cache hit needs no bytes at all, stored or not.
+        stored = {"model": check.model_present or check.cache_hit or direct["model"],
+                  "calibration": check.calibration_present or check.cache_hit or direct["calibration"]}
+        sent = sum(files.size(kind) for kind in KINDS if direct[kind])  # sent already, by presigned PUTs
+        upload = UploadStream(files, files.header(stored), self.chunk_size, sent=sent)
+        msg = self._submit_stream(upload, check, direct)
+        job = Job(self, msg)
+        reason = None
+        if msg.cache_hit:
+            reason = "cache_hit"
+        elif upload.header.model.stored and not direct["model"]:
+            reason = "model_stored"
+        job.upload = {"sent_bytes": upload.sent, "skipped": reason, "direct": any(direct.values())}
+        return job
+
+    def _put_offered(self, files: SubmitFiles, check: pb.CheckUploadResponse) -> dict[str, bool]:
+        """PUT each file the server offered a presigned URL for straight to the object store (once
+        there, it is stored). Per kind: whether its bytes went that way."""
+        direct = {"model": False, "calibration": False}
         skip = {"model": check.model_present or check.cache_hit,
                 "calibration": check.calibration_present or check.cache_hit}
-        # Bytes the server offered a presigned PUT for go straight to the store; then they are stored.
-        direct = {"model": False, "calibration": False}
-        offers = (("model", model, check.model_upload), ("calibration", calib, check.calibration_upload))
-        for kind, path, offer in offers:
-            if path is not None and not skip[kind] and offer.url and self._direct_upload_works is not False:
-                skip[kind] = direct[kind] = self._put_direct(path, offer)
-        sent = [(model_size if direct["model"] else 0) + (calib_size if direct["calibration"] else 0)]
-        header = pb.SubmitHeader(
-            spec=text, idempotency_key=idempotency_key, no_cache=no_cache,
-            model=pb.FileHeader(filename=model.name, size=model_size, sha256=model_sha, stored=skip["model"]),
-        )
-        if calib is not None:
-            header.calibration.CopyFrom(pb.FileHeader(filename=calib.name, size=calib_size, sha256=calib_sha,
-                                                      stored=skip["calibration"]))
-        changed: list[str] = []
+        offers = {"model": check.model_upload, "calibration": check.calibration_upload}
+        for kind in KINDS:
+            file, offer = files.file(kind), offers[kind]
+            if file is not None and not skip[kind] and offer.url and self._direct_upload_works is not False:
+                direct[kind] = self._put_direct(file.path, offer)
+        return direct
 
-        def chunks(path: Path, expected: str, kind: str) -> Iterator[pb.SubmitJobRequest]:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                while data := f.read(self.chunk_size):
-                    h.update(data)
-                    sent[0] += len(data)
-                    chunk: dict[str, Any] = {kind: data}  # the oneof field: model_chunk or calibration_chunk
-                    yield pb.SubmitJobRequest(**chunk)
-            if h.hexdigest() != expected:  # the server refuses it too; say why here
-                changed.append(str(path))
+    def _submit_stream(self, upload: UploadStream, check: pb.CheckUploadResponse, direct: dict[str, bool]) -> Any:
+        """SubmitJob with `upload`'s requests, tried again while the server refuses it for now (a
+        fresh request stream per try; the idempotency key makes a repeat harmless). A cached
+        result that failed its proof check since CheckUpload: the bytes are sent after all."""
+        header, calib = upload.header, upload.files.calibration
 
-        def requests() -> Iterator[pb.SubmitJobRequest]:
-            yield pb.SubmitJobRequest(header=header)
-            if not header.model.stored:
-                yield from chunks(model, model_sha, "model_chunk")
-            if calib is not None and not header.calibration.stored:
-                yield from chunks(calib, calib_sha, "calibration_chunk")
+        def submit() -> Any:
+            return self._retrying(lambda: self._stub.SubmitJob(upload.requests(), metadata=self._metadata))
 
         try:
             try:
-                # A fresh request stream per try; the idempotency key makes a repeat harmless.
-                msg = self._retrying(lambda: self._stub.SubmitJob(requests(), metadata=self._metadata))
+                return submit()
             except grpc.RpcError as err:
                 relied_on_cache = check.cache_hit and not (check.model_present and
                                                            (calib is None or check.calibration_present))
                 if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not relied_on_cache:
                     raise
-                # The cached result failed its proof check since CheckUpload: send the bytes after all.
                 header.model.stored = check.model_present or direct["model"]
                 if calib is not None:
                     header.calibration.stored = check.calibration_present or direct["calibration"]
-                msg = self._retrying(lambda: self._stub.SubmitJob(requests(), metadata=self._metadata))
+                return submit()
         except grpc.RpcError as err:
-            if changed:
-                raise InvalidInput(f"{changed[0]} changed while it was being uploaded; submit again") from None
+            if upload.changed:
+                raise InvalidInput(f"{upload.changed[0]} changed while it was being uploaded; submit again") from None
             raise from_rpc_error(err, self.target) from None
-        job = Job(self, msg)
-        reason = None
-        if msg.cache_hit:
-            reason = "cache_hit"
-        elif header.model.stored and not direct["model"]:
-            reason = "model_stored"
-        job.upload = {"sent_bytes": sent[0], "skipped": reason, "direct": any(direct.values())}
-        return job
 
     def _put_direct(self, path: Path, offer: pb.UploadTarget) -> bool:
         """PUT `path` to the presigned URL the server offered. False when the store cannot be
@@ -668,9 +476,9 @@ class Client:
         client stops asking for URLs (a store behind the cluster's network answers no better
         next time)."""
         try:
-            _put_file(offer.url, offer.headers, path)
+            presigned.put_file(offer.url, offer.headers, path)
             return True
-        except _DirectUnavailable as exc:
+        except presigned.DirectUnavailable as exc:
             log.info("direct upload of %s to the object store failed (%s); sending it through the server",
                      path.name, exc)
             self._direct_upload_works = False
@@ -724,11 +532,11 @@ class Client:
         nothing about whether the store can be reached from here."""
         if self.direct_download is not False and self._direct_works is not False:
             try:
-                url = self.artifact_url(job_id, art["name"], expires_s=DIRECT_URL_EXPIRY_S)
-                self._write_verified(_url_chunks(url), art, target)
+                url = self.artifact_url(job_id, art["name"], expires_s=presigned.DIRECT_URL_EXPIRY_S)
+                self._write_verified(presigned.url_chunks(url), art, target)
                 self._direct_works = True
                 return
-            except (RequestRefused, _DirectUnavailable) as exc:  # no presigned URLs, or no way to the store
+            except (RequestRefused, presigned.DirectUnavailable) as exc:  # no presigned URLs, or no way to the store
                 if early and not isinstance(exc, RequestRefused):
                     raise ServerUnreachable(f"{art['name']}: {exc}") from None
                 if self.direct_download:

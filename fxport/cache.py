@@ -1,4 +1,4 @@
-"""The result cache (DESIGN.md §8): an identical job is answered with an earlier job's artifacts.
+"""The result cache (deploy/README.md, "Result cache"): an identical job is answered with an earlier job's artifacts.
 
 Identical means the same cache key:
 
@@ -42,7 +42,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from fxport.jobs import ArtifactRecord
+from fxport.jobs import StoredArtifact
 from fxport.periodic import PeriodicTask
 from fxport.spec import JobSpec
 from fxport.storage import SHA256_RE, ArtifactStore, ObjectNotFound, StorageError
@@ -93,7 +93,7 @@ class CacheEntry(BaseModel):
     calibration_bytes: int = 0
     spec_digest: str
     toolchain: dict[str, Any]
-    artifacts: list[ArtifactRecord]
+    artifacts: list[StoredArtifact]
 
     @property
     def bytes(self) -> int:
@@ -215,7 +215,7 @@ class ResultCache:
         with ThreadPoolExecutor(max_workers=min(REHASH_THREADS, len(entry.artifacts))) as pool:
             return sum(pool.map(lambda art: self._check_one(art, rehash), entry.artifacts))
 
-    def _check_one(self, art: ArtifactRecord, rehash: bool) -> int:
+    def _check_one(self, art: StoredArtifact, rehash: bool) -> int:
         try:
             meta = self.store.head(art.key)
         except StorageError as exc:
@@ -261,7 +261,7 @@ class ResultCache:
     # -- writes (workers) ------------------------------------------------------------------
 
     def remember(self, key: str, *, tenant: str, job_id: str, model: Any, calibration: Any, spec: JobSpec,
-                 toolchain: dict[str, Any], artifacts: Iterable[ArtifactRecord]) -> Remembered:
+                 toolchain: dict[str, Any], artifacts: Iterable[StoredArtifact]) -> Remembered:
         """Write the entry for a job that SUCCEEDED. `model`/`calibration`: its InputRefs.
 
         The newest result wins (a `--no-cache` run refreshes the entry); the entry it replaced
@@ -366,7 +366,7 @@ def remember_job_result(store: ArtifactStore, settings: Any, record: Any,
     or None when not cached. Never raises: a cache that cannot be written costs later hits, not this job."""
     cache = ResultCache.from_settings(store, settings)
     try:
-        spec = JobSpec.model_validate(record.spec)
+        spec = record.spec
         calibration = record.calibration
         key = cache.key_for(record.tenant, record.model.sha256, calibration.sha256 if calibration else None, spec,
                             toolchain)

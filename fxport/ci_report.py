@@ -6,6 +6,8 @@ pipeline's test view lists "model.onnx [onnxruntime]" passed or failed with the 
 mismatch is a <failure> whose message names what was measured against what was allowed; an
 inconclusive check is <skipped> with the reason; a target that was not built, and a job that
 failed before any check, are <failure>s too, so a failed job never reads as an empty green run.
+The checks of what a failed job built and did not keep (`withdrawn`) are listed as well: they
+say which artifact differed, or that the others passed and only a target failed.
 
 The step summary is markdown appended to $GITHUB_STEP_SUMMARY when it is set (GitHub Actions
 renders it on the run's page); GitLab CI reads the JUnit file (`artifacts:reports:junit`).
@@ -42,7 +44,7 @@ def junit_xml(result: JobResult) -> str:
     suite = ET.Element("testsuite", name=f"fxport {result.command}", hostname=result.job_id or "")
     cases: list[ET.Element] = []
     classname = f"fxport.{result.job_id or 'job'}"
-    for artifact in result.artifacts:
+    for artifact in [*result.artifacts, *result.withdrawn]:
         for check in artifact.checks:
             case = ET.Element("testcase", classname=classname, name=_case_name(artifact, check), file=artifact.path)
             if check.verdict == "failed":
@@ -100,7 +102,7 @@ def step_summary(result: JobResult) -> str:
     if result.error is not None:
         e = result.error
         lines += [f"**Error** during {_md(e.stage or '?')} (`{_md(e.code or '?')}`): {_md(e.message)}", ""]
-    checked = [a for a in result.artifacts if a.checks]
+    checked = [a for a in [*result.artifacts, *result.withdrawn] if a.checks]
     if checked:
         lines += ["| artifact | runtime | verdict | max abs diff | cosine | sha256 |", "|---|---|---|---|---|---|"]
         for a in checked:
@@ -114,6 +116,9 @@ def step_summary(result: JobResult) -> str:
     others = [a for a in result.artifacts if not a.checks]
     if others:
         lines += [f"Also stored: {', '.join(f'`{_md(a.path)}`' for a in others)}.", ""]
+    if result.withdrawn:
+        withdrawn = ", ".join(f"`{_md(a.path)}`" for a in result.withdrawn)
+        lines += [f"Not kept (a failed job keeps no model file): {withdrawn}.", ""]
     for t in result.failed_targets:
         lines.append(f"- **{_md(t.target)}** not built ({_md(t.stage)}): {_md(t.reason)}")
     if result.recommendation is not None:

@@ -9,9 +9,29 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+OP_LIBRARIES_ENV = "FXPORT_OP_LIBRARIES"
+
+
+def parse_op_libraries(raw: Any) -> tuple[str, ...]:
+    """FXPORT_OP_LIBRARIES as a tuple of entries: comma-separated (or already a sequence), each an
+    absolute path to a shared library of custom ops or an importable module name (`torchvision`).
+    Raises ValueError naming an entry that is neither."""
+    entries = raw.split(",") if isinstance(raw, str) else list(raw or ())
+    out: list[str] = []
+    for entry in (str(e).strip() for e in entries):
+        if not entry:
+            continue
+        if not (entry.startswith("/") or all(part.isidentifier() for part in entry.split("."))):
+            raise ValueError(f"{OP_LIBRARIES_ENV} entry {entry!r} is neither an absolute path to a shared library "
+                             "(/opt/ops/libmyops.so) nor a Python module name (torchvision)")
+        if entry not in out:
+            out.append(entry)
+    return tuple(out)
 
 
 class Settings(BaseSettings):
@@ -94,7 +114,19 @@ class Settings(BaseSettings):
     log_format: str = Field("json", description="json (one object per line, with job_id) or text.")
     work_dir: Path | None = Field(None, description="Scratch space for worker jobs (default: system temp).")
     worker_id: str | None = Field(None, description="Name recorded on jobs this worker runs (default: host:pid).")
-    # Security (DESIGN.md §6, deploy/README.md "Security model").
+    op_libraries: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="Custom op libraries the sandbox loads before it opens a model, comma-separated: a Python "
+        "module name (torchvision, torchaudio: imported, which registers its ops) or an absolute path to a shared "
+        "library (torch.ops.load_library). Loaded inside the confined child; part of the result cache's key and "
+        "recorded in each manifest's toolchain. Without it a model that calls such ops fails to load "
+        "(`Unknown builtin op: torchvision::nms`).")
+
+    @field_validator("op_libraries", mode="before")
+    @classmethod
+    def _split_op_libraries(cls, value: Any) -> tuple[str, ...]:
+        return parse_op_libraries(value)
+
+    # Security (docs/architecture.md "Trust boundaries", deploy/README.md "Security model").
     tokens_file: Path | None = Field(
         None, description="Bearer tokens, hashed: one `tenant: sha256-hex` line each (`fxport tokens new`). "
         "Set = every call but health/reflection needs a token or a client certificate.")
@@ -153,7 +185,7 @@ class Settings(BaseSettings):
         "of after the job; the overlap costs CPU next to the engine (and, on a store that cannot check a "
         "checksum on upload, a private copy of each artifact).")
 
-    # Result cache (DESIGN.md §8, fxport/cache.py, deploy/README.md "Result cache").
+    # Result cache (fxport/cache.py, deploy/README.md "Result cache").
     cache_enabled: bool = Field(
         True, description="Answer a submit whose model, calibration data, spec and worker toolchain match an "
         "earlier successful job with that job's artifacts (a new SUCCEEDED job marked cache_hit), and skip the "

@@ -1,6 +1,6 @@
 """sha256 of files, and writing a stream to a file that appears only once its digest checks out.
 
-Shared by the object stores (fxport/storage.py) and the thin client's downloads, so it imports
+Shared by the object stores (fxport/storage/) and the thin client's downloads, so it imports
 nothing beyond the standard library."""
 
 from __future__ import annotations

@@ -1,12 +1,23 @@
-"""Typed errors: every failure carries the stage, a code, and what the user can do about it."""
+"""Typed errors: every failure carries the stage, a code, and what the user can do about it.
+
+One record shape (`ErrorRecord`) carries an error wherever it goes: out of the sandbox, into a
+job's record and manifest, onto the wire (the proto's JobError) and into the result document. A
+record turns back into its exception class by its code alone (`error_class`): every class that
+names a `code` registers itself, so no list is kept by hand. `GRPC_STATUS` is the one table from
+code to the gRPC status the API answers with (fxport/service/status.py applies it).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from fxport.text import cause_chain, printable, printable_or_none
 
-# CLI exit codes (DESIGN.md §4).
+PrintableText = Annotated[str, AfterValidator(printable)]
+
+# CLI exit codes (README, "Command line").
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -14,11 +25,35 @@ EXIT_TIMEOUT = 3
 EXIT_UNREACHABLE = 4
 
 
+class ErrorRecord(BaseModel):
+    """What failed, where, and what to do: the one shape of an error outside a process (no
+    control characters, whoever wrote it). `message` includes the hint; `detail` ends with the
+    exceptions the error was raised from."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    stage: PrintableText | None = None
+    code: PrintableText = "internal"
+    message: PrintableText = ""
+    detail: PrintableText | None = None
+    field: PrintableText | None = None
+
+
+_BY_CODE: dict[str, type[FxportError]] = {}
+
+
 class FxportError(Exception):
     """Base error. `message` says what went wrong, `hint` what to do about it."""
 
     code = "internal"
     exit_code = EXIT_FAILED
+    # Extra (key, value) pairs the API sends in the trailing metadata with this error's status.
+    trailing_metadata: tuple[tuple[str, str], ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" in cls.__dict__:  # a class of its own code; the first one defined keeps it
+            _BY_CODE.setdefault(cls.code, cls)
 
     def __init__(
         self,
@@ -46,15 +81,22 @@ class FxportError(Exception):
     def to_dict(self) -> dict[str, Any]:
         """The error record: `detail` ends with the exceptions this one was raised from, so that
         the real cause (a library's own error under "ONNX export failed") is kept."""
+        return self.record().model_dump()
+
+    def record(self) -> ErrorRecord:
+        """This error as an ErrorRecord (`to_dict` is its plain form)."""
         causes = cause_chain(self)
         detail = "\n".join(part for part in (self.detail, causes) if part) or None
-        return {
-            "stage": self.stage,
-            "code": self.code,
-            "message": str(self),
-            "detail": detail,
-            "field": self.field,
-        }
+        return ErrorRecord(stage=self.stage, code=self.code, message=str(self), detail=detail, field=self.field)
+
+    @classmethod
+    def from_record(cls, record: ErrorRecord) -> FxportError:
+        """The error a record describes, as an instance of the class its code names (this class
+        for a code no class has). Its message is the record's, hint included."""
+        kind = error_class(record.code, default=cls)
+        err = kind.__new__(kind)  # not kind(...): a subclass's own constructor takes other arguments
+        FxportError.__init__(err, record.message, stage=record.stage, detail=record.detail, field=record.field)
+        return err
 
 
 class InvalidInput(FxportError):
@@ -68,6 +110,8 @@ class SpecError(InvalidInput):
     """The job spec failed validation; `violations` lists (field path, message)."""
 
     code = "invalid_spec"
+    violations: list[tuple[str, str]] = []  # an instance rebuilt from its record (from_record) has none
+    count = 0
 
     MAX_VIOLATIONS = 20  # listed; the rest are counted
     MAX_LINE = 400  # characters of one violation's line
@@ -155,3 +199,90 @@ class SandboxUnavailable(FxportError):
     found state inherited from its warm parent: the model was not run."""
 
     code = "sandbox_unavailable"
+
+
+# -- errors of the API's requests (not of a job): each answers with its own gRPC status -------
+
+
+class InvalidRequest(InvalidInput):
+    """A request's field is malformed or missing (not the spec: SpecError)."""
+
+    code = "invalid_request"
+
+
+class NotFound(InvalidInput):
+    """No such job or artifact in the caller's tenant."""
+
+    code = "not_found"
+
+
+class PreconditionFailed(InvalidInput):
+    """The request conflicts with what the server holds (an idempotency key of another request,
+    a stored input that is not there, a store that cannot presign)."""
+
+    code = "failed_precondition"
+
+
+class QuotaExceeded(FxportError):
+    """A limit of the tenant's or the server's: the message names it and its setting."""
+
+    code = "quota_exceeded"
+
+    def __init__(self, message: str, *, trailing_metadata: tuple[tuple[str, str], ...] = (), **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.trailing_metadata = trailing_metadata  # e.g. the "retry later" marks a client acts on
+
+
+class ServiceUnavailable(FxportError):
+    """A backing service (object store, queue) failed: the same request may succeed later."""
+
+    code = "unavailable"
+
+
+class DataLoss(FxportError):
+    """A stored artifact is missing or does not match its recorded digest."""
+
+    code = "data_loss"
+
+
+class Unauthenticated(FxportError):
+    code = "unauthenticated"
+
+
+class PermissionDenied(FxportError):
+    code = "permission_denied"
+
+
+def error_class(code: str | None, default: type[FxportError] | None = None) -> type[FxportError]:
+    """The class whose `code` is `code`; `default` (ConversionFailed) for an unknown or missing one."""
+    return _BY_CODE.get(code or "", default or ConversionFailed)
+
+
+# The gRPC status (grpc.StatusCode's name) the API answers an error of each code with. Codes
+# missing here answer INTERNAL; tests/test_errors.py checks that every code of this module is here.
+GRPC_STATUS: dict[str, str] = {
+    "internal": "INTERNAL",
+    "invalid_input": "INVALID_ARGUMENT",
+    "invalid_spec": "INVALID_ARGUMENT",
+    "unsupported_format": "INVALID_ARGUMENT",
+    "invalid_request": "INVALID_ARGUMENT",
+    "not_found": "NOT_FOUND",
+    "failed_precondition": "FAILED_PRECONDITION",
+    "quota_exceeded": "RESOURCE_EXHAUSTED",
+    "resource_limit": "RESOURCE_EXHAUSTED",
+    "unavailable": "UNAVAILABLE",
+    "data_loss": "DATA_LOSS",
+    "unauthenticated": "UNAUTHENTICATED",
+    "permission_denied": "PERMISSION_DENIED",
+    "cancelled": "CANCELLED",
+    # A job's failures are reported in its record, not as a status; raised by a handler they are internal.
+    "capture_failed": "INTERNAL",
+    "conversion_failed": "INTERNAL",
+    "verification_failed": "INTERNAL",
+    "sandbox_violation": "INTERNAL",
+    "sandbox_unavailable": "INTERNAL",
+}
+
+
+def grpc_status_name(code: str) -> str:
+    return GRPC_STATUS.get(code, "INTERNAL")

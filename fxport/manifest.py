@@ -11,24 +11,39 @@ Compatibility rules (the schema is versioned, `schema_version`):
   in an older one and is written back unchanged;
 - `tests/test_manifest.py` keeps manifests written by earlier versions loading.
 
-The stage records that are open-ended by nature (per-pass notes, the quantization report, the
-benchmark table, the sandbox's layers) are typed at the top level and left as mappings below it.
+The stage sections (benchmark, quantization, tensorrt, sandbox, profile, the graphs) have types
+of their own in fxport/manifest_sections.py: a stage may still assign its section as the dict it
+builds, which is read into the type, and is written back as it was given. `read_leniently` reads a
+manifest of unknown origin (an old one, a broken one, one a model shaped), leaving out only the
+sections that do not have their type's shape. `spec`, `toolchain`, `inputs`, `outputs` and
+`package` stay mappings: `signature` is the typed form of `inputs` and `outputs`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fxport.text import printable
+from fxport.errors import ErrorRecord
+from fxport.manifest_sections import (
+    Benchmark,
+    CaptureAttempt,
+    GraphSummary,
+    Number,
+    Profile,
+    Quantization,
+    Sandbox,
+    Section,
+    TensorRT,
+    json_form,
+)
 
 # A record's text field: stripped whenever a record is built or read (a manifest a sandbox child
 # wrote, a job record read back from the store), whoever wrote it.
-PrintableText = Annotated[str, AfterValidator(printable)]
 
 SCHEMA_VERSION = 3  # 1: every manifest before the field existed (no `schema_version` key); 3: `signature`
 
@@ -50,7 +65,7 @@ class InputRecord(_Record):
 class CaptureRecord(_Record):
     method: str | None = None  # "fx" | "export" | "eager" | "archive"
     level: str | None = None  # "torch" | "aten"
-    attempts: list[dict[str, Any]] = Field(default_factory=list)
+    attempts: list[CaptureAttempt] = Field(default_factory=list)
 
 
 class PassRecord(_Record):
@@ -79,7 +94,14 @@ class OutputCheck(_Record):
     passed: bool = False
 
 
-class VerificationRecord(_Record):
+class VerificationRecord(Section):
+    """One artifact checked against the original model in one runtime (workers/engine/verify). A
+    Section: the comparator writes it as a dict, adding keys per case (`comparison`, `outside_range`,
+    a TensorRT engine's `profile_extremes`, ...), which are written back in the order it added them."""
+
+    _written_first = ("format", "runtime", "max_abs_diff", "max_rel_diff", "cosine", "passed", "verdict",
+                      "shapes_checked", "samples", "outputs")  # typed before the others: written first
+
     format: str
     runtime: str | None = None
     max_abs_diff: float | None = None
@@ -91,6 +113,13 @@ class VerificationRecord(_Record):
     shapes_checked: list[list[int] | list[list[int]]] = Field(default_factory=list)
     samples: int | None = None
     outputs: list[OutputCheck] = Field(default_factory=list)
+    # the tolerances the verdict used (precision.Tolerances.as_dict): atol, rtol, min_cosine, rule, ...
+    tolerances: dict[str, Any] | None = None
+    error: str | None = None  # what mismatched, for a failed verdict
+    top1_agreement: Number | None = None
+    inconclusive: list[dict[str, Any]] | None = None  # the constant outputs: {"output", "reference"}
+    # a breakdown per shape checked, where a runtime records one
+    per_shape: list[dict[str, Any]] | None = None
 
 
 class FailedTarget(_Record):
@@ -100,16 +129,6 @@ class FailedTarget(_Record):
     target: str
     stage: str | None = None
     reason: str = ""
-
-
-class ErrorRecord(_Record):
-    """FxportError.to_dict(): what failed, where, and what to do (no control characters)."""
-
-    stage: PrintableText | None = None
-    code: PrintableText | None = None
-    message: PrintableText = ""
-    detail: PrintableText | None = None
-    field: PrintableText | None = None
 
 
 class TensorSignature(_Record):
@@ -151,7 +170,7 @@ class Manifest(_Record):
     artifacts: list[ArtifactRecord] = Field(default_factory=list)
     failed_targets: list[FailedTarget] = Field(default_factory=list)
     verification: list[VerificationRecord] = Field(default_factory=list)
-    profile: dict[str, Any] | None = None
+    profile: Profile | None = None
     warnings: list[str] = Field(default_factory=list)
     timings_s: dict[str, float] = Field(default_factory=dict)
     status: Status = "running"
@@ -159,12 +178,12 @@ class Manifest(_Record):
     inputs: dict[str, Any] | None = None  # the input signature (names, shapes, dynamic dims)
     outputs: list[dict[str, Any]] | None = None
     signature: Signature | None = None  # inputs and outputs together, with the batch axis (schema 3)
-    graph_before: dict[str, Any] | None = None
-    graph_after: dict[str, Any] | None = None
-    quantization: dict[str, Any] | None = None
-    benchmark: dict[str, Any] | None = None
-    tensorrt: dict[str, Any] | None = None
-    sandbox: dict[str, Any] | None = None
+    graph_before: GraphSummary | None = None
+    graph_after: GraphSummary | None = None
+    quantization: Quantization | None = None
+    benchmark: Benchmark | None = None
+    tensorrt: TensorRT | None = None
+    sandbox: Sandbox | None = None
     package: dict[str, Any] | None = None  # what `spec.package` wrote: {"triton": TritonPackage.to_dict()}
 
     # -- reading and writing --------------------------------------------------------------
@@ -181,9 +200,7 @@ class Manifest(_Record):
         """The manifest as JSON data: the fields that were set or differ from their default, then
         unknown keys. A field nobody wrote is left out rather than written as its default, so a
         manifest read and written back is the manifest that was read, whatever version wrote it."""
-        # through json with a fallback, not model_dump(mode="json"): the open-ended sections may
-        # hold a numpy scalar or a torch dtype, which must not cost the job its manifest
-        return _written(self, json.loads(json.dumps(self.model_dump(), default=_jsonable)))
+        return json_form(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
@@ -219,9 +236,12 @@ class Manifest(_Record):
         merged.toolchain.update({k: v for k, v in stage.toolchain.items() if v})
         merged.timings_s[name] = sum(stage.timings_s.values())
         if stage.tensorrt:
-            merged.tensorrt = {**(merged.tensorrt or {}), **stage.tensorrt}
+            merged.tensorrt = TensorRT.model_validate({**json_form(merged.tensorrt or TensorRT()),
+                                                       **json_form(stage.tensorrt)})
         if merged.benchmark or stage.benchmark:
-            merged.benchmark = merge_benchmarks(merged.benchmark, stage.benchmark)
+            both = merge_benchmarks(merged.benchmark.as_dict() if merged.benchmark else None,
+                                    stage.benchmark.as_dict() if stage.benchmark else None)
+            merged.benchmark = Benchmark.model_validate(both) if both is not None else None
         for warning in stage.warnings:
             merged.warn(warning)
         if stage.status == "failed":
@@ -229,37 +249,26 @@ class Manifest(_Record):
         return merged
 
 
-def _jsonable(value: Any) -> Any:
-    """A value JSON has no type for: its Python number (a numpy or torch scalar), else its text."""
-    item = getattr(value, "item", None)
-    if callable(item):
+
+def read_leniently(data: Mapping[str, Any]) -> tuple[Manifest, dict[str, str]]:
+    """`data` (a parsed manifest.json of unknown origin: an old one, a broken one, one a model
+    shaped) as a Manifest, leaving out each top-level field that does not have its type's shape,
+    and why, per field left out. Readers that show what they can (the report, the CLI's table, the
+    result document) use this; a reader that must refuse a wrong shape uses `Manifest.model_validate`."""
+    kept, unreadable = dict(data), dict[str, str]()
+    for _ in range(len(kept) + 1):
         try:
-            return item()
-        except (TypeError, ValueError, RuntimeError):  # not a scalar
-            pass
-    return str(value)
-
-
-@functools.cache  # keyed on (class, field): a field's default is fixed once its class is defined
-def _default(cls: type[BaseModel], key: str) -> Any:
-    """A field's default, made once per class (pydantic inspects the factory's signature on every
-    call): only ever compared with, never handed out, so a mutable default is never shared."""
-    return cls.model_fields[key].get_default(call_default_factory=True)
-
-
-def _written(model: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
-    """`data` (model's dump) without the fields of `model`, at any depth, that were never set and
-    still hold their default."""
-    fields = type(model).model_fields
-    out: dict[str, Any] = {}
-    for key, dumped in data.items():
-        if key in fields:
-            value = getattr(model, key)
-            if key not in model.model_fields_set and value == _default(type(model), key):
-                continue
-            if isinstance(value, BaseModel):
-                dumped = _written(value, dumped)
-            elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
-                dumped = [_written(item, d) for item, d in zip(value, dumped)]
-        out[key] = dumped
-    return out
+            return Manifest.model_validate(kept), unreadable
+        except ValidationError as exc:
+            bad: dict[str, str] = {}
+            for error in exc.errors():
+                loc = error.get("loc") or ()
+                if loc and str(loc[0]) in kept:
+                    where = ".".join(str(part) for part in loc)
+                    bad.setdefault(str(loc[0]), f"{where}: {error.get('msg')}")
+            if not bad:
+                raise
+            for key, why in bad.items():
+                del kept[key]
+                unreadable[key] = why
+    raise AssertionError("unreachable: every round leaves out a field")

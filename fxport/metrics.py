@@ -36,15 +36,16 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
+from fxport.jobs import STAGES, JobState
+from fxport.task_queue import QUEUES
+
 log = logging.getLogger(__name__)
 
 # Label values, written out so every series exists (at 0) from the first scrape: rate()
 # and absent() work before the first job, and a typo in a caller shows up as a new series.
-JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
-TERMINAL_STATES = ("succeeded", "failed", "cancelled")
-STAGES = ("load", "capture", "passes", "quantize", "export", "verify", "benchmark", "package", "tensorrt",
-          "upload")
-QUEUES = ("cpu", "gpu")
+# The states, stages and queues themselves are defined once, in fxport.jobs and fxport.task_queue.
+JOB_STATES = tuple(state.value.lower() for state in JobState)  # queued, running, succeeded, failed, cancelled
+TERMINAL_STATE_LABELS = tuple(state.value.lower() for state in JobState if state.terminal)
 UPLOAD_KINDS = ("model", "calibration")
 # Why a sandbox child did not hand back a valid result. Anything else is counted as
 # "other" so a free-form error text can never explode the label's cardinality.
@@ -59,7 +60,7 @@ SANDBOX_FAILURE_REASONS = (
     "other",
 )
 
-# Why a job FAILED (JobErrorInfo.code): fxport/errors.py, fxport/storage.py and the worker's
+# Why a job FAILED (ErrorRecord.code): fxport/errors.py, fxport/storage/errors.py and the worker's
 # own. A code outside this list is counted as "other", a stage outside FAILURE_STAGES as
 # "unknown": the labels stay bounded whatever a record says.
 FAILURE_CODES = (
@@ -181,63 +182,90 @@ def build_versions() -> dict[str, str]:
 
 def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetrics:
     """Define every fxport metric in `registry` (tests pass a fresh CollectorRegistry)."""
-    m = FxportMetrics(
-        jobs_total=Counter(
+    m = FxportMetrics(**_job_metrics(registry), **_cache_metrics(registry), **_capacity_metrics(registry),
+                      **_process_metrics(registry))
+    _create_series(m)
+    return m
+
+
+def _job_metrics(registry: CollectorRegistry | None) -> dict[str, Any]:
+    """Jobs: states entered, running, queued, durations, failures, sandbox failures."""
+    return {
+        "jobs_total": Counter(
             "fxport_jobs_total",
             "Jobs that entered each state (queued on submit, then running, then one terminal state).",
             ["state"],
             registry=registry,
         ),
-        jobs_running=Gauge(
+        "jobs_running": Gauge(
             "fxport_jobs_running",
             "Jobs running right now in this process's worker pool, by queue.",
             ["queue"],
             registry=registry,
             multiprocess_mode="livesum",
         ),
-        queue_depth=Gauge(
+        "queue_depth": Gauge(
             "fxport_queue_depth",
             "Messages waiting in a Celery queue (Redis list length), sampled by whoever sets it.",
             ["queue"],
             registry=registry,
             multiprocess_mode="mostrecent",
         ),
-        stage_duration_seconds=Histogram(
+        "stage_duration_seconds": Histogram(
             "fxport_stage_duration_seconds",
             "Wall time of one job stage.",
             ["stage"],
             buckets=STAGE_BUCKETS,
             registry=registry,
         ),
-        job_duration_seconds=Histogram(
+        "job_duration_seconds": Histogram(
             "fxport_job_duration_seconds",
             "Wall time of a job from submit to its terminal state.",
             ["state"],
             buckets=JOB_BUCKETS,
             registry=registry,
         ),
-        cache_hits_total=Counter(
-            "fxport_cache_hits_total",
-            "Submits answered from the artifact cache (same model digest, spec and toolchain).",
+        "job_failures_total": Counter(
+            "fxport_job_failures_total",
+            "Jobs that FAILED, by the stage that failed and the error code (verification_failed, "
+            "store_unreachable, ...).",
+            ["stage", "code"],
             registry=registry,
         ),
-        cache_misses_total=Counter(
-            "fxport_cache_misses_total",
-            "Submits that missed the artifact cache and were converted.",
-            registry=registry,
-        ),
-        cache_entry_reads_total=Counter(
-            "fxport_cache_entry_reads_total",
-            "Cache entries the API read from the object store (CheckUpload and SubmitJob lookups).",
-            registry=registry,
-        ),
-        sandbox_failures_total=Counter(
+        "sandbox_failures_total": Counter(
             "fxport_sandbox_failures_total",
             "Sandbox children that failed, by reason.",
             ["reason"],
             registry=registry,
         ),
-        busy_refusals_total=Counter(
+    }
+
+
+def _cache_metrics(registry: CollectorRegistry | None) -> dict[str, Any]:
+    """The result cache: hits, misses, entries read."""
+    return {
+        "cache_hits_total": Counter(
+            "fxport_cache_hits_total",
+            "Submits answered from the artifact cache (same model digest, spec and toolchain).",
+            registry=registry,
+        ),
+        "cache_misses_total": Counter(
+            "fxport_cache_misses_total",
+            "Submits that missed the artifact cache and were converted.",
+            registry=registry,
+        ),
+        "cache_entry_reads_total": Counter(
+            "fxport_cache_entry_reads_total",
+            "Cache entries the API read from the object store (CheckUpload and SubmitJob lookups).",
+            registry=registry,
+        ),
+    }
+
+
+def _capacity_metrics(registry: CollectorRegistry | None) -> dict[str, Any]:
+    """Shared capacity, retention, input quotas and upload bytes."""
+    return {
+        "busy_refusals_total": Counter(
             "fxport_busy_refusals_total",
             "Calls the API refused, to be retried, because a capacity every tenant shares was taken: resource="
             "streams (open streaming calls, each holding an RPC thread), calls (other calls in progress) or spool "
@@ -246,66 +274,65 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
             ["resource", "limit"],
             registry=registry,
         ),
-        jobs_removed_total=Counter(
+        "jobs_removed_total": Counter(
             "fxport_jobs_removed_total",
             "Finished jobs the retention sweep removed with their artifacts, by reason: age (older than "
             "FXPORT_JOB_RETENTION_S) or count (past FXPORT_MAX_FINISHED_JOBS_PER_TENANT).",
             ["reason"],
             registry=registry,
         ),
-        inputs_removed_total=Counter(
+        "inputs_removed_total": Counter(
             "fxport_inputs_removed_total",
             "Stored inputs (models, calibration files) the retention sweep deleted: no QUEUED or RUNNING job named "
             "them and none was submitted with them for FXPORT_INPUT_RETENTION_S (or their presigned upload expired "
             "with no submit).",
             registry=registry,
         ),
-        input_quota_refusals_total=Counter(
+        "input_quota_refusals_total": Counter(
             "fxport_input_quota_refusals_total",
             "Submits and upload offers refused because a new input would take its tenant past "
             "FXPORT_MAX_INPUT_BYTES_PER_TENANT.",
             registry=registry,
         ),
-        upload_bytes_total=Counter(
+        "upload_bytes_total": Counter(
             "fxport_upload_bytes_total",
             "Bytes received by SubmitJob uploads, by kind.",
             ["kind"],
             registry=registry,
         ),
-        direct_upload_bytes_total=Counter(
+        "direct_upload_bytes_total": Counter(
             "fxport_direct_upload_bytes_total",
             "Bytes clients were given presigned URLs to PUT straight to the object store (the size each URL "
             "signs), by kind; they never pass through the API.",
             ["kind"],
             registry=registry,
         ),
-        job_failures_total=Counter(
-            "fxport_job_failures_total",
-            "Jobs that FAILED, by the stage that failed and the error code (verification_failed, "
-            "store_unreachable, ...).",
-            ["stage", "code"],
-            registry=registry,
-        ),
-        build_info=Gauge(
+    }
+
+
+def _process_metrics(registry: CollectorRegistry | None) -> dict[str, Any]:
+    """What runs here (fxport_build_info) and go-grpc-prometheus's gRPC server metrics."""
+    return {
+        "build_info": Gauge(
             "fxport_build_info",
             "Always 1; the labels say which fxport, Python and torch (empty where not installed) run here.",
             ["version", "python", "torch"],
             registry=registry,
             multiprocess_mode="max",
         ),
-        grpc_server_started_total=Counter(
+        "grpc_server_started_total": Counter(
             "grpc_server_started_total",
             "Total number of RPCs started on the server.",
             ["grpc_type", "grpc_service", "grpc_method"],
             registry=registry,
         ),
-        grpc_server_handled_total=Counter(
+        "grpc_server_handled_total": Counter(
             "grpc_server_handled_total",
             "Total number of RPCs completed on the server, regardless of success or failure.",
             ["grpc_type", "grpc_service", "grpc_method", "grpc_code"],
             registry=registry,
         ),
-        grpc_server_handling_seconds=Histogram(
+        "grpc_server_handling_seconds": Histogram(
             "grpc_server_handling_seconds",
             "Histogram of response latency (seconds) of gRPC that had been application-level handled by the "
             "server.",
@@ -313,10 +340,14 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
             buckets=RPC_BUCKETS,
             registry=registry,
         ),
-    )
+    }
+
+
+def _create_series(m: FxportMetrics) -> None:
+    """Every series with a known label set, at 0 from the first scrape."""
     for state in JOB_STATES:
         m.jobs_total.labels(state)
-    for state in TERMINAL_STATES:
+    for state in TERMINAL_STATE_LABELS:
         m.job_duration_seconds.labels(state)
     for stage in STAGES:
         m.stage_duration_seconds.labels(stage)
@@ -328,7 +359,6 @@ def build_metrics(registry: CollectorRegistry | None = REGISTRY) -> FxportMetric
     for kind in UPLOAD_KINDS:
         m.upload_bytes_total.labels(kind)
         m.direct_upload_bytes_total.labels(kind)
-    return m
 
 
 METRICS = build_metrics()
@@ -425,7 +455,7 @@ class MeteredJobStore:
             # A result-cache hit is created SUCCEEDED: it never queued.
             state = rec.state.value.lower() if hasattr(rec.state, "value") else "queued"
             self._metrics.jobs_total.labels(state if state in JOB_STATES else "queued").inc()
-            if state in TERMINAL_STATES:
+            if state in TERMINAL_STATE_LABELS:
                 self._observe_durations(rec, state)
         return rec, created
 
@@ -436,7 +466,7 @@ class MeteredJobStore:
             state = rec.state.value.lower() if hasattr(rec.state, "value") else str(rec.state).lower()
             if state in JOB_STATES:
                 self._metrics.jobs_total.labels(state).inc()
-            if state in TERMINAL_STATES:
+            if state in TERMINAL_STATE_LABELS:
                 self._observe_durations(rec, state)
         return rec, changed
 

@@ -5,21 +5,28 @@ get` print a `JobResult`; its JSON Schema is `fxport schema result` (docs/result
 A pipeline reads one shape whichever way the job ran: the job id, its state as the API names it
 (`SUCCEEDED`), times in RFC 3339 (UTC), one entry per artifact with its path, sha256 and
 verification verdict, the targets that were not built, and the error with its stage and code.
+A failed job keeps no model file (README, "What a conversion does"): what it built is listed
+under `withdrawn`, with its checks, and `artifacts` holds only what is there to fetch.
 The exit code the command returns is in it too, so a step that captured stdout alone can branch.
 
 Versioning: `schema_version` changes only when a field is removed, renamed or retyped; fields
 are added without a change, so a reader must ignore keys it does not know.
 
-The same facts feed the JUnit report and the CI step summary (fxport/ci_report.py).
+The same facts feed the JUnit report and the CI step summary (fxport/ci_report.py). The manifest
+is read through its type (fxport/manifest.py), leniently: a section of another shape costs only
+what it holds.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from fxport.errors import ErrorRecord
+from fxport.manifest import Manifest, VerificationRecord, read_leniently
 
 RESULT_SCHEMA_VERSION: Literal[1] = 1
 JobStateName = Literal["QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
@@ -99,8 +106,12 @@ class JobResult(_Doc):
     finished_at: dt.datetime | None = None
     cache_hit: bool = False
     labels: dict[str, str] = Field(default_factory=dict)
-    artifacts: list[ArtifactResult] = Field(default_factory=list)
-    failed_targets: list[FailedTarget] = Field(default_factory=list)
+    artifacts: list[ArtifactResult] = Field(default_factory=list, description="What the job keeps: the files in "
+                                            "the output folder (convert --out) or stored with the job.")
+    withdrawn: list[ArtifactResult] = Field(default_factory=list, description="What the job built but did not "
+                                            "keep: a failed job keeps no model file; its manifest lists these.")
+    failed_targets: list[FailedTarget] = Field(default_factory=list, description="Requested targets that could not "
+                                               "be built, with why. The job failed, unless it set allow_partial.")
     error: ErrorResult | None = None
     recommendation: Recommendation | None = Field(None, description="The benchmark's pick, when it ran.")
     upload: UploadResult | None = None
@@ -128,27 +139,33 @@ def timestamp(value: float | str | None) -> dt.datetime | None:
     return dt.datetime.fromtimestamp(float(value), tz=dt.timezone.utc)
 
 
-def _reason(v: Mapping[str, Any]) -> str | None:
-    if v.get("error"):
-        return str(v["error"])
-    found = [i for i in v.get("inconclusive") or () if isinstance(i, Mapping)]
+def _manifest(manifest: Manifest | Mapping[str, Any] | None) -> Manifest:
+    """The manifest as its type; one read from a file or the server is read leniently (a section of
+    another shape is left out, not the result)."""
+    if isinstance(manifest, Manifest):
+        return manifest
+    return read_leniently(manifest or {})[0]
+
+
+def _reason(v: VerificationRecord) -> str | None:
+    if v.error:
+        return v.error
+    found = [i for i in v.inconclusive or () if isinstance(i, Mapping)]
     return "; ".join(f"{i.get('output')}: {i.get('reference')}" for i in found) or None
 
 
-def _checks(manifest: Mapping[str, Any], fmt: str, scheme: str | None = None) -> list[Check]:
+def _checks(manifest: Manifest, fmt: str, scheme: str | None = None) -> list[Check]:
     checks = []
-    for v in manifest.get("verification") or ():
-        if not isinstance(v, Mapping) or v.get("format") != fmt:
+    for v in manifest.verification:
+        if v.format != fmt:
             continue
-        verdict = v.get("verdict") or ("passed" if v.get("passed") else "failed")
-        tolerances = v.get("tolerances")
-        tol: Mapping[str, Any] = tolerances if isinstance(tolerances, Mapping) else {}
+        verdict = v.verdict or ("passed" if v.passed else "failed")
+        tol: Mapping[str, Any] = v.tolerances or {}
         allowed = {k: float(tol[k]) for k in ("atol", "rtol", "scale_atol", "min_cosine", "min_top1_agreement")
                    if isinstance(tol.get(k), int | float)}
-        checks.append(Check(runtime=v.get("runtime"), scheme=scheme, verdict=verdict,
-                            max_abs_diff=v.get("max_abs_diff"), max_rel_diff=v.get("max_rel_diff"),
-                            cosine=v.get("cosine"), allowed=allowed, shapes_checked=len(v.get("shapes_checked") or ()),
-                            reason=_reason(v)))
+        checks.append(Check(runtime=v.runtime, scheme=scheme, verdict=verdict, max_abs_diff=v.max_abs_diff,
+                            max_rel_diff=v.max_rel_diff, cosine=v.cosine, allowed=allowed,
+                            shapes_checked=len(v.shapes_checked), reason=_reason(v)))
     return checks
 
 
@@ -159,61 +176,68 @@ def _artifact_verdict(checks: Sequence[Check]) -> Verdict:
     return "failed" if "failed" in verdicts else "inconclusive" if "inconclusive" in verdicts else "passed"
 
 
-def artifacts_of(manifest: Mapping[str, Any]) -> list[ArtifactResult]:
+def artifacts_of(manifest: Manifest | Mapping[str, Any]) -> list[ArtifactResult]:
     """Every artifact the manifest lists, each with the checks of its format."""
+    m = _manifest(manifest)
     out = []
-    for a in manifest.get("artifacts") or ():
-        if not isinstance(a, Mapping):
-            continue
-        checks = _checks(manifest, str(a.get("format")), a.get("int8_scheme"))
-        out.append(ArtifactResult(path=str(a.get("path")), format=str(a.get("format")), bytes=int(a.get("bytes") or 0),
-                                  sha256=str(a.get("sha256") or ""), verdict=_artifact_verdict(checks),
-                                  checks=checks))
+    for a in m.artifacts:
+        checks = _checks(m, a.format, a.int8_scheme)
+        out.append(ArtifactResult(path=a.path, format=a.format, bytes=a.bytes, sha256=a.sha256,
+                                  verdict=_artifact_verdict(checks), checks=checks))
     return out
 
 
-def _error(error: Mapping[str, Any] | None) -> ErrorResult | None:
+def _error(error: Mapping[str, Any] | ErrorRecord | None) -> ErrorResult | None:
     if not error:
         return None
-    return ErrorResult(stage=error.get("stage") or None, code=error.get("code") or None,
-                       message=str(error.get("message") or ""), hint=error.get("hint") or None,
-                       field=error.get("field") or None)
+    e = error.model_dump() if isinstance(error, ErrorRecord) else error
+    return ErrorResult(stage=e.get("stage") or None, code=e.get("code") or None,
+                       message=str(e.get("message") or ""), hint=e.get("hint") or None,
+                       field=e.get("field") or None)
 
 
-def _recommendation(manifest: Mapping[str, Any]) -> Recommendation | None:
-    rec = (manifest.get("benchmark") or {}).get("recommendation") if isinstance(manifest.get("benchmark"),
-                                                                                Mapping) else None
-    if not isinstance(rec, Mapping) or not rec.get("artifact"):
+def _recommendation(manifest: Manifest) -> Recommendation | None:
+    pick = manifest.benchmark.recommendation if manifest.benchmark else None
+    if pick is None or not pick.artifact:
         return None
-    return Recommendation(artifact=str(rec["artifact"]), batch=rec.get("batch"), reason=str(rec.get("reason") or ""))
+    return Recommendation(artifact=pick.artifact, batch=pick.batch, reason=pick.reason)
 
 
-def from_manifest(command: str, manifest: Mapping[str, Any], *, exit_code: int, manifest_path: str | None = None,
-                  started: float | None = None, finished: float | None = None) -> JobResult:
-    """`fxport convert`'s result: everything from the manifest it wrote."""
-    status = manifest.get("status")
+def from_manifest(command: str, manifest: Manifest | Mapping[str, Any], *, exit_code: int,
+                  manifest_path: str | None = None, started: float | None = None,
+                  finished: float | None = None, kept: Collection[str] | None = None) -> JobResult:
+    """`fxport convert`'s result: everything from the manifest it wrote. `kept`: the paths of the
+    manifest's artifacts still in the output folder; by default every one of a job that did not
+    fail and none of one that did. The others are `withdrawn`."""
+    m = _manifest(manifest)
+    status = m.status if "status" in m.model_fields_set else None
     state: JobStateName = "SUCCEEDED" if status == "succeeded" else "FAILED" if status == "failed" else "RUNNING"
-    error = manifest.get("error") if isinstance(manifest.get("error"), Mapping) else None
+    built = artifacts_of(m)
+    if kept is None:
+        kept = {a.path for a in built} if state != "FAILED" else set()
     return JobResult(
-        command=command, job_id=manifest.get("job_id"), state=state, stage=(error or {}).get("stage"),
+        command=command, job_id=m.job_id, state=state, stage=m.error.stage if m.error else None,
         exit_code=exit_code, created_at=timestamp(started), started_at=timestamp(started),
-        finished_at=timestamp(finished), labels=dict((manifest.get("spec") or {}).get("labels") or {}),
-        artifacts=artifacts_of(manifest), failed_targets=_failed_targets(manifest), error=_error(error),
-        recommendation=_recommendation(manifest), manifest=manifest_path)
+        finished_at=timestamp(finished), labels=dict(m.spec.get("labels") or {}),
+        artifacts=[a for a in built if a.path in kept], withdrawn=[a for a in built if a.path not in kept],
+        failed_targets=_failed_targets(m), error=_error(m.error), recommendation=_recommendation(m),
+        manifest=manifest_path)
 
 
-def _failed_targets(manifest: Mapping[str, Any]) -> list[FailedTarget]:
-    return [FailedTarget(target=str(t.get("target")), stage=t.get("stage"), reason=str(t.get("reason") or ""))
-            for t in manifest.get("failed_targets") or () if isinstance(t, Mapping)]
+def _failed_targets(manifest: Manifest) -> list[FailedTarget]:
+    return [FailedTarget(target=t.target, stage=t.stage, reason=t.reason) for t in manifest.failed_targets]
 
 
-def from_job(command: str, job: Mapping[str, Any], *, exit_code: int, manifest: Mapping[str, Any] | None = None,
-             timed_out: bool = False, cancelled: bool = False, upload: Mapping[str, Any] | None = None,
-             downloaded: Sequence[str] = (), manifest_path: str | None = None) -> JobResult:
+def from_job(command: str, job: Mapping[str, Any], *, exit_code: int,
+             manifest: Manifest | Mapping[str, Any] | None = None, timed_out: bool = False, cancelled: bool = False,
+             upload: Mapping[str, Any] | None = None, downloaded: Sequence[str] = (),
+             manifest_path: str | None = None) -> JobResult:
     """A server job's result: `job` is Job.to_dict(); `manifest`, when fetched, adds the checks,
-    the targets not built and the recommendation."""
-    checks_from = manifest or {}
+    the targets not built, what a failed job built but did not keep, and the recommendation."""
+    checks_from = _manifest(manifest)
     by_path = {a.path: a for a in artifacts_of(checks_from)}
+    stored = {a["name"] for a in job.get("artifacts") or ()}
+    withdrawn = [a for path, a in by_path.items() if path not in stored] if job.get("state") == "FAILED" else []
     artifacts = []
     for a in job.get("artifacts") or ():
         known = by_path.get(a["name"])
@@ -225,6 +249,6 @@ def from_job(command: str, job: Mapping[str, Any], *, exit_code: int, manifest: 
         timed_out=timed_out, cancelled=cancelled, created_at=timestamp(job.get("created_at")),
         started_at=timestamp(job.get("started_at")), finished_at=timestamp(job.get("finished_at")),
         cache_hit=bool(job.get("cache_hit")), labels=dict(job.get("labels") or {}), artifacts=artifacts,
-        failed_targets=_failed_targets(checks_from), error=_error(job.get("error")),
+        withdrawn=withdrawn, failed_targets=_failed_targets(checks_from), error=_error(job.get("error")),
         recommendation=_recommendation(checks_from), upload=UploadResult(**upload) if upload else None,
         downloaded=list(downloaded), manifest=manifest_path)

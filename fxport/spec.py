@@ -14,18 +14,27 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from fxport.errors import SpecError
+from fxport.pass_catalog import DEFAULT_PASSES, PASS_CATALOG, PASS_NAMES
 from fxport.text import short_repr
 
 TARGETS = ("torchscript", "onnx", "exported_program", "fx_source", "tensorrt")
 Target = Literal["torchscript", "onnx", "exported_program", "fx_source", "tensorrt"]
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
 DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"]
-IRLevel = Literal["torch", "aten"]
 
-# Server-side ceilings that no spec may exceed (DESIGN.md §6).
+# Server-side ceilings that no spec may exceed (docs/architecture.md, "Trust boundaries").
 MAX_INPUTS = 32
 MAX_RANK = 8
 MAX_DIM = 1 << 16
@@ -35,125 +44,20 @@ _TENSOR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/\-]{0,127}$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # Frozen: one validated spec is shared by everything that handles the job (model_copy derives another).
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-# ---------------------------------------------------------------------------------------
-# Pass options and the pass catalog. This is the ONE registry of passes: names, options,
-# the IR levels each works on, and where its function lives (imported lazily by workers).
-# ---------------------------------------------------------------------------------------
+# A spec's rules are checked where it crosses a trust boundary: the API (parse_spec) and the
+# sandbox child (reading its request). In between it travels typed, and a copy read back from the
+# job store is decoded with this context, which skips the cross-field rules it already passed.
+TRUSTED = {"fxport_spec_trusted": True}
 
 
-class NoOptions(_Strict):
-    pass
+class RuleChecks:
+    """How many times this process checked a spec's rules (tests count the checks per job)."""
 
-
-class FuseConvBnOptions(_Strict):
-    linear: bool = Field(True, description="Also fold BatchNorm1d that follows a Linear.")
-
-
-class FoldConstantsOptions(_Strict):
-    max_elements: int = Field(
-        1 << 22, ge=1, description="Skip folding a subgraph whose result has more elements than this."
-    )
-
-
-# The substitute_ops allowlist: swap name → numerics_preserving. "Preserving" means the swap
-# computes the same mathematical function, so results differ at most by float rounding (a few
-# ULP); a swap that approximates (exact → tanh GELU) is not preserving and runs only with
-# allow_numerics_change. The implementations live in the engine, keyed by these names
-# (fxport.workers.engine.passes.substitute_ops); a test checks the two key sets are equal.
-SUBSTITUTIONS: dict[str, bool] = {
-    "relu6_to_hardtanh": True,
-    "gelu_to_tanh_gelu": False,
-    "silu_to_x_sigmoid": True,
-}
-
-
-class SubstituteOpsOptions(_Strict):
-    swaps: list[str] = Field(
-        default_factory=lambda: ["relu6_to_hardtanh"],
-        description="Names from the substitution allowlist, applied in order.",
-    )
-    allow_numerics_change: bool = Field(
-        False, description="Permit swaps flagged as changing numerics (e.g. exact → tanh GELU)."
-    )
-
-    @field_validator("swaps")
-    @classmethod
-    def _known_swaps(cls, v: list[str]) -> list[str]:
-        unknown = [name for name in v if name not in SUBSTITUTIONS]
-        if unknown:
-            raise ValueError(
-                f"unknown swap{'s' if len(unknown) > 1 else ''} {', '.join(map(short_repr, unknown[:5]))}; "
-                f"valid swaps: {', '.join(SUBSTITUTIONS)}"
-            )
-        return v
-
-
-class ProfileNodesOptions(_Strict):
-    runs: int = Field(5, ge=1, le=100, description="Timed runs per node (after one warm-up).")
-    top: int = Field(10, ge=1, le=100, description="How many of the slowest nodes go in the manifest.")
-
-
-class PassInfo(BaseModel):
-    name: str
-    summary: str
-    options: type[BaseModel]
-    levels: tuple[IRLevel, ...]
-    function: str  # "module:function", imported only by the engine
-    needs_gpu: bool = False
-
-
-PASS_CATALOG: dict[str, PassInfo] = {
-    p.name: p
-    for p in [
-        PassInfo(
-            name="fuse_conv_bn",
-            summary="Conv → BatchNorm(eval) ⇒ one Conv (also Linear → BatchNorm1d)",
-            options=FuseConvBnOptions,
-            levels=("torch", "aten"),
-            function="fxport.workers.engine.passes.fuse_conv_bn:fuse_conv_bn",
-        ),
-        PassInfo(
-            name="remove_dropout",
-            summary="Dropout (identity in eval) ⇒ removed",
-            options=NoOptions,
-            levels=("torch", "aten"),
-            function="fxport.workers.engine.passes.remove_dropout:remove_dropout",
-        ),
-        PassInfo(
-            name="dead_code_elimination",
-            summary="nodes whose results nobody uses ⇒ removed",
-            options=NoOptions,
-            levels=("torch", "aten"),
-            function="fxport.workers.engine.passes.dead_code_elimination:dead_code_elimination",
-        ),
-        PassInfo(
-            name="fold_constants",
-            summary="subgraphs that depend only on parameters/constants ⇒ precomputed buffers",
-            options=FoldConstantsOptions,
-            levels=("torch", "aten"),
-            function="fxport.workers.engine.passes.fold_constants:fold_constants",
-        ),
-        PassInfo(
-            name="substitute_ops",
-            summary="allowlisted op swaps, each flagged numerics-preserving or not",
-            options=SubstituteOpsOptions,
-            levels=("torch", "aten"),
-            function="fxport.workers.engine.passes.substitute_ops:substitute_ops",
-        ),
-        PassInfo(
-            name="profile_nodes",
-            summary="per-node timing through an Interpreter; top nodes into the manifest",
-            options=ProfileNodesOptions,
-            levels=("torch", "aten"),
-            function="fxport.workers.engine.passes.profile_nodes:profile_nodes",
-        ),
-    ]
-}
-PASS_NAMES = tuple(PASS_CATALOG)
-DEFAULT_PASSES = ("fuse_conv_bn", "remove_dropout", "dead_code_elimination")
+    count = 0
 
 
 class PassSpec(_Strict):
@@ -179,7 +83,7 @@ class PassSpec(_Strict):
             raise ValueError(
                 f"pass {short_repr(self.name)} option {short_repr(where)}: {_plain(first)} (valid options: {valid})"
             ) from None
-        self.options = parsed.model_dump()
+        object.__setattr__(self, "options", parsed.model_dump())  # normalized while still being built
         return self
 
 
@@ -229,7 +133,8 @@ class CalibrationSpec(_Strict):
 
 
 INT8_RUNTIMES = ("onnxruntime", "tensorrt")
-NOT_CONVERSION_INPUTS = ("labels", "limits")  # spec keys that describe the job, not its artifacts
+# spec keys that describe the job (its bounds, its labels, what it accepts), not its artifacts
+NOT_CONVERSION_INPUTS = ("labels", "limits", "allow_partial")
 
 
 class QuantizationSpec(_Strict):
@@ -338,6 +243,8 @@ def check_elements(idx: int, inp: InputSpec, dims: dict[str, DynamicDim]) -> Non
 
 
 class JobSpec(_Strict):
+    _rules_checked: bool = PrivateAttr(default=False)
+
     inputs: list[InputSpec] = Field(default_factory=list, max_length=MAX_INPUTS)
     dynamic_dims: dict[str, DynamicDim] = Field(default_factory=dict)
     targets: list[Target] = Field(default_factory=_default_targets, min_length=1)
@@ -361,6 +268,10 @@ class JobSpec(_Strict):
         "onnx, torchscript and tensorrt artifacts (docs/serving.md).")
     limits: Limits = Field(default_factory=Limits)
     labels: dict[str, str] = Field(default_factory=dict, max_length=32)
+    allow_partial: bool | None = Field(
+        None, description="Accept a job some of whose targets could not be built (listed in failed_targets with why): "
+        "it succeeds with the verified artifacts of the others. Off (absent): a job with a failed target fails and "
+        "keeps no model file.")
 
     @field_validator("targets")
     @classmethod
@@ -391,6 +302,11 @@ class JobSpec(_Strict):
             return None
         return v
 
+    @field_validator("allow_partial")
+    @classmethod
+    def _partial_switch(cls, v: bool | None) -> bool | None:
+        return True if v else None  # `false` is the default: absent, so it keeps the spec's digest
+
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
@@ -410,7 +326,14 @@ class JobSpec(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> JobSpec:
+    def _cross_checks(self, info: ValidationInfo) -> JobSpec:
+        # Pydantic runs this again whenever a model holding this instance is built (a JobRecord, an
+        # EngineRequest): an instance whose rules were checked, or that was decoded trusted, is not
+        # checked again. model_copy keeps the mark: its updates come from code, not from a user.
+        if self._rules_checked or (info.context and info.context.get("fxport_spec_trusted")):
+            self._rules_checked = True
+            return self
+        RuleChecks.count += 1
         names = [i.name for i in self.inputs]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -437,6 +360,7 @@ class JobSpec(_Strict):
                              "Q/DQ through the torch.export-based exporter, which needs opset 18 or newer")
         if q.runtime == "tensorrt" and q.reduce_range:
             raise ValueError("quantization.reduce_range applies to the onnxruntime scheme; TensorRT uses 8-bit weights")
+        self._rules_checked = True
         return self
 
     def int8_runtimes(self, also_targets: Sequence[str] = ()) -> list[str]:
@@ -461,15 +385,18 @@ class JobSpec(_Strict):
             data.pop("benchmark", None)
         if data.get("outputs") is None:
             data.pop("outputs", None)
+        if data.get("allow_partial") is None:  # likewise for a job that accepts only every target
+            data.pop("allow_partial", None)
         for key in ("runtime", "reduce_range"):  # likewise for the int8 scheme's options
             if data["quantization"].get(key) is None:
                 data["quantization"].pop(key, None)
         return data
 
     def artifact_digest(self) -> str:
-        """sha256 of what in the spec shapes the artifacts: the normalized spec without `labels` and
-        `limits` (they describe the job), and with the int8 runtimes resolved (an older fxport made
-        symmetric int8 for every runtime). The result cache's key and the artifacts' provenance."""
+        """sha256 of what in the spec shapes the artifacts: the normalized spec without `labels`,
+        `limits` and `allow_partial` (they describe the job), and with the int8 runtimes resolved (an
+        older fxport made symmetric int8 for every runtime). The result cache's key and the artifacts'
+        provenance."""
         data = {k: v for k, v in self.normalized().items() if k not in NOT_CONVERSION_INPUTS}
         if self.precision == "int8":
             data["int8_runtimes"] = self.int8_runtimes()

@@ -1,6 +1,6 @@
 """The toolchain fingerprint: which versions of the conversion stack make a job's artifacts.
 
-Part of the result-cache key (fxport/cache.py, DESIGN.md §8): fxport, torch, onnx and
+Part of the result-cache key (fxport/cache.py; deploy/README.md, "Result cache"): fxport, torch, onnx and
 onnxruntime versions, plus the TensorRT version and the GPU model for jobs that build an
 engine. Read from installed package metadata (`importlib.metadata`), never by importing
 torch, so the API server, whose image has no torch, can compute it too — but there it would
@@ -13,6 +13,11 @@ describe the wrong machine. So:
 
 A worker that writes a cache entry keys it with its own fingerprint, so a stale or missing
 publication can only make lookups miss, never serve another toolchain's artifacts.
+
+The custom op libraries a worker's sandbox loads before each model (FXPORT_OP_LIBRARIES,
+`op_library_records`) are part of it under `op_libraries`, only where some are set: a worker
+with other libraries (or another build of one) never shares cached results with this one, and
+a worker with none keeps the fingerprint it had before the setting existed.
 """
 
 from __future__ import annotations
@@ -22,13 +27,19 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import platform
 import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from fxport.config import OP_LIBRARIES_ENV, parse_op_libraries
+from fxport.digest import sha256_file
+from fxport.errors import InvalidInput
 from fxport.periodic import PeriodicTask
 
 log = logging.getLogger(__name__)
@@ -88,16 +99,76 @@ def _local_toolchain(gpu: bool) -> tuple[tuple[str, Any], ...]:
     return tuple(out.items())
 
 
-def local_toolchain(*, gpu: bool = False) -> Toolchain:
-    """This machine's versions (read once per process); with `gpu`, also TensorRT's and the GPU model."""
-    return dict(_local_toolchain(gpu))
+def local_toolchain(*, gpu: bool = False, op_libraries: Sequence[str] | None = None) -> Toolchain:
+    """This machine's versions (read once per process); with `gpu`, also TensorRT's and the GPU model;
+    with op libraries (`op_libraries`, default: this process's FXPORT_OP_LIBRARIES), what each is."""
+    out = dict(_local_toolchain(gpu))
+    entries = configured_op_libraries() if op_libraries is None else tuple(op_libraries)
+    if entries:
+        out["op_libraries"] = op_library_records(entries)
+    return out
 
 
 def manifest_toolchain() -> Toolchain:
     """What a manifest records under `toolchain`: every package of the conversion stack (None where
-    it is not installed) and Python's version. Read as the cache key reads them, so the two agree."""
-    return {**dict(_local_toolchain(False)), **{name: _version(name) for name in GPU_PACKAGES},
-            "python": platform.python_version()}
+    it is not installed), Python's version, and the op libraries this process loaded
+    (`note_op_libraries`). Read as the cache key reads them, so the two agree."""
+    out = {**dict(_local_toolchain(False)), **{name: _version(name) for name in GPU_PACKAGES},
+           "python": platform.python_version()}
+    if _loaded_op_libraries:
+        out["op_libraries"] = [dict(record) for record in _loaded_op_libraries]
+    return out
+
+
+# -- custom op libraries (FXPORT_OP_LIBRARIES) ------------------------------------------------
+
+# What this process loaded (the sandbox child, before it opened the model): its manifest records them.
+_loaded_op_libraries: list[dict[str, str | None]] = []
+
+
+def configured_op_libraries() -> tuple[str, ...]:
+    """This process's FXPORT_OP_LIBRARIES, parsed as Settings parses it. Raises InvalidInput
+    naming the setting when an entry is neither an absolute path nor a module name."""
+    try:
+        return parse_op_libraries(os.environ.get(OP_LIBRARIES_ENV, ""))
+    except ValueError as exc:
+        raise InvalidInput(str(exc), field=OP_LIBRARIES_ENV, hint="fix the setting and restart the worker") from None
+
+
+def op_library_records(entries: Sequence[str]) -> list[dict[str, str | None]]:
+    """What each op library is, in the form the manifest and the cache key record it: a shared
+    library (an absolute path) as {"library": path, "sha256": its digest (None where it cannot be
+    read)}, a module as {"module": name, "version": its distribution's version (None where it is
+    not installed)}. Read without loading anything, so the worker's side and the child agree."""
+    records: list[dict[str, str | None]] = []
+    for entry in entries:
+        if entry.startswith("/"):
+            records.append({"library": entry, "sha256": _file_sha256(entry)})
+        else:
+            records.append({"module": entry, "version": _version(entry.split(".")[0])})
+    return records
+
+
+def note_op_libraries(records: Sequence[dict[str, str | None]]) -> None:
+    """Record the op libraries this process has loaded (the sandbox child), for its manifest."""
+    _loaded_op_libraries[:] = [dict(record) for record in records]
+
+
+def _file_sha256(path: str) -> str | None:
+    """sha256 of the file at `path`, hashed again only when its inode, size or mtime changed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _hashed_file(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)  # keyed on the file's identity: a library replaced in place is hashed again
+def _hashed_file(path: str, _ino: int, _size: int, _mtime_ns: int) -> str | None:
+    try:
+        return sha256_file(Path(path))[0]
+    except OSError:
+        return None
 
 
 def job_fingerprint(cpu: Toolchain | None, gpu: Toolchain | None, *, engine: bool) -> Toolchain | None:
@@ -107,6 +178,8 @@ def job_fingerprint(cpu: Toolchain | None, gpu: Toolchain | None, *, engine: boo
     if not cpu or any(cpu.get(name) is None for name in ("fxport", "torch")):
         return None
     fingerprint = {name: cpu.get(name) for name in CPU_PACKAGES}
+    if cpu.get("op_libraries"):  # only where some are loaded: a fingerprint without any is unchanged
+        fingerprint["op_libraries"] = cpu["op_libraries"]
     if engine:
         if not gpu or gpu.get("tensorrt") is None or gpu.get("gpu") is None:
             return None

@@ -297,13 +297,13 @@ export FXPORT_HOME="$dir/home"
 export FXPORT_WORK_DIR="$dir/work"
 mkdir -p "$FXPORT_HOME" "$FXPORT_WORK_DIR"
 rm -f "$dir/api.ready" "$dir/server"
-launch api "$logs/api.log" "$py" -m fxport.client.cli serve --listen "127.0.0.1:${FXPORT_LOCAL_PORT:-0}" \
+launch api "$logs/api.log" "$py" -m fxport.cli serve --listen "127.0.0.1:${FXPORT_LOCAL_PORT:-0}" \
   --ready-file "$dir/api.ready"
 wait_for api 120 "$logs/api.log" test -s "$dir/api.ready"
 : >>"$logs/worker.log"
 offset=$(stat -c %s "$logs/worker.log")
 worker_ready() { grep -qE '@[^ ]* ready' < <(tail -c +"$((offset + 1))" "$logs/worker.log"); }  # Celery's "NAME@HOST ready."
-launch worker "$logs/worker.log" "$py" -m fxport.client.cli worker --queues cpu --concurrency 1 \
+launch worker "$logs/worker.log" "$py" -m fxport.cli worker --queues cpu --concurrency 1 \
   --hostname "fxport-local-cpu@%h"
 wait_for worker 240 "$logs/worker.log" worker_ready
 cp "$dir/api.ready" "$dir/server"

@@ -13,7 +13,7 @@ for entry in fxport/*; do
   case "$(basename "$entry")" in __pycache__) continue ;; esac
   ln -s "$PWD/$entry" "$tree/fxport/$(basename "$entry")"
 done
-for folder in service workers client; do
+for folder in service workers client cli; do
   ln -s "$PWD/$folder" "$tree/fxport/$folder"
 done
 (cd "$tree" && mypy --config-file "$OLDPWD/pyproject.toml" --cache-dir "$OLDPWD/.fxport/mypy-cache" -p fxport)

@@ -24,12 +24,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
 from fxport.config import Settings
+from fxport.errors import FxportError, PermissionDenied, Unauthenticated
 from fxport.service.handlers import wrap_handler
+from fxport.service.status import abort, status_of
 from fxport.service.tenancy import CURRENT_TENANT
 from fxport.storage import SHA256_RE, TENANT_RE
 
@@ -146,21 +148,21 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self.tokens = tokens
         self.mtls = mtls
 
-    def _refuse(self, context: grpc.ServicerContext, method: str, code: grpc.StatusCode, message: str) -> None:
-        log.warning("rpc refused", extra={"rpc": method, "code": code.name, "reason": message, "peer": context.peer()})
-        context.abort(code, message)
+    def _refuse(self, context: grpc.ServicerContext, method: str, error: FxportError) -> NoReturn:
+        log.warning("rpc refused", extra={"rpc": method, "code": status_of(error).name, "reason": str(error),
+                                          "peer": context.peer()})
+        abort(context, error)
 
     def _bearer(self, context: grpc.ServicerContext, method: str) -> str | None:
         values = [v for k, v in context.invocation_metadata() if k == "authorization"]
         if not values:
             return None
         if len(values) > 1:
-            self._refuse(context, method, grpc.StatusCode.UNAUTHENTICATED, "more than one authorization header")
+            self._refuse(context, method, Unauthenticated("more than one authorization header"))
         scheme, _, token = str(values[0]).strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token or len(token) > MAX_TOKEN_CHARS:
-            self._refuse(context, method, grpc.StatusCode.UNAUTHENTICATED,
-                         "the authorization header must be 'Bearer <token>'")
+            self._refuse(context, method, Unauthenticated("the authorization header must be 'Bearer <token>'"))
         return token
 
     def _certificate_tenant(self, context: grpc.ServicerContext, method: str) -> str | None:
@@ -171,9 +173,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return None
         cn = names[0].decode("utf-8", "replace") if isinstance(names[0], bytes) else str(names[0])
         if not TENANT_RE.match(cn):
-            self._refuse(context, method, grpc.StatusCode.PERMISSION_DENIED,
-                         f"client certificate CN {cn[:80]!r} is not a tenant name "
-                         "(lowercase letters, digits, _ and -)")
+            self._refuse(context, method, PermissionDenied(
+                f"client certificate CN {cn[:80]!r} is not a tenant name (lowercase letters, digits, _ and -)"))
         return cn
 
     def authenticate(self, context: grpc.ServicerContext, method: str) -> str:
@@ -184,18 +185,17 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if token is not None:
             token_tenant = self.tokens.tenant_for(token) if self.tokens is not None else None
             if token_tenant is None and cert_tenant is None:
-                self._refuse(context, method, grpc.StatusCode.UNAUTHENTICATED, "invalid token")
+                self._refuse(context, method, Unauthenticated("invalid token"))
         if cert_tenant is not None:
             if token is not None and token_tenant != cert_tenant:
-                self._refuse(context, method, grpc.StatusCode.UNAUTHENTICATED,
-                             "the token does not belong to the client certificate's tenant")
+                self._refuse(context, method,
+                             Unauthenticated("the token does not belong to the client certificate's tenant"))
             return cert_tenant
         if token_tenant is not None:
             return token_tenant
         how = "send 'authorization: Bearer <token>' (fxport --token / FXPORT_TOKEN)" if self.tokens is not None \
             else "present a client certificate"
-        self._refuse(context, method, grpc.StatusCode.UNAUTHENTICATED, f"missing credentials: {how}")
-        raise AssertionError("unreachable")
+        self._refuse(context, method, Unauthenticated(f"missing credentials: {how}"))
 
     def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)

@@ -1,15 +1,21 @@
 """How the API hands a job to workers: Celery on Redis (distributed) or the embedded pool.
 
-A dispatcher has `enqueue(job_id) -> task id`, `cancel(record)` and `close()`.
+A dispatcher has `enqueue(job_id) -> task id`, `cancel(record)` and `close()`. The API never
+imports worker code: the Celery dispatcher sends tasks by name (fxport/task_queue.py, the contract
+both sides import), and the embedded pool (workers/embedded.py) is handed in by whoever builds the
+server (`create_server(embedded_pool=...)`; `fxport serve`: cli/server.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from fxport.config import Settings
-from fxport.jobs import JobRecord
+from fxport.jobs import JobRecord, JobStore
+from fxport.storage import ArtifactStore
+from fxport.task_queue import RUN_JOB, STAGE_TASKS, create_celery_app  # imports Celery only when an app is built
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +28,21 @@ class Dispatcher(Protocol):
     def close(self) -> None: ...
 
 
+class EmbeddedDispatcher(Dispatcher, Protocol):
+    """A worker pool in the API process (workers/embedded.py): it also re-runs, on start, the jobs
+    a previous process left unfinished."""
+
+    def recover(self) -> list[str]: ...
+
+
+# Builds the embedded pool from the server's own stores: fxport.workers.embedded.create_embedded_pool.
+EmbeddedPoolFactory = Callable[[JobStore, ArtifactStore, Settings], EmbeddedDispatcher]
+
+
 class CeleryDispatcher:
     """Sends tasks by name, so the API process never imports the worker code."""
 
     def __init__(self, settings: Settings) -> None:
-        from fxport.workers.celery_app import RUN_JOB, STAGE_TASKS, create_celery_app
-
         self.app = create_celery_app(settings)
         self._run_job = RUN_JOB
         self._stages = STAGE_TASKS

@@ -4,8 +4,8 @@ take: its RPC threads, held by streaming calls (`StreamSlots`) and by the calls 
 once (`CallSlots`), and its upload spool (`SpoolBudget`).
 
 The job store keeps an index of each tenant's in-flight jobs beside the records, so the check
-costs one read whatever the length of the tenant's history (reading the newest 1000 jobs'
-states instead took 12 ms per submit once a tenant had run 1000 jobs). Before refusing a
+costs one read whatever the length of the tenant's history (reading the newest jobs' states
+instead grew with it: docs/benchmarks.md, "Costs the code is shaped around"). Before refusing a
 submit, the count is checked against the records themselves. Checking and
 creating happen under a per-tenant lock, so concurrent submits to one API process cannot
 overshoot; across API replicas the limit can be exceeded by at most the replicas racing.
@@ -17,10 +17,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import grpc
-
+from fxport.errors import QuotaExceeded
 from fxport.jobs import JobStore
-from fxport.service.uploads import Reserve, UploadRejected
+from fxport.service.uploads import Reserve
 
 # Trailing metadata of a submit refused because its tenant's jobs in flight are at their limit.
 QUEUE_FULL_METADATA = ("fxport-retry", "queue-full")
@@ -38,25 +37,24 @@ class InFlightLimit:
         """Jobs of `tenant` QUEUED or RUNNING, from the job store's index (one read)."""
         return self.jobs.count_in_flight(tenant)
 
-    def check(self, tenant: str, context: grpc.ServicerContext) -> None:
+    def check(self, tenant: str) -> None:
         n = self.count(tenant)
         if n >= self.limit:
             n = self.jobs.count_in_flight(tenant, exact=True)  # never refuse on a stale index
         if n >= self.limit:
             # Not a request too large, nor the server's capacity: the tenant's own queue is full. The
             # fxport client waits `retry-after` and submits again (QueueFull), for as long as it may wait.
-            context.set_trailing_metadata((QUEUE_FULL_METADATA, ("retry-after", str(QUEUE_RETRY_AFTER_S))))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"tenant {tenant!r} has {n} jobs queued or running; the limit is {self.limit} "
-                          "(FXPORT_MAX_JOBS_IN_FLIGHT): wait for some to finish or cancel them")
+            raise QuotaExceeded(f"tenant {tenant!r} has {n} jobs queued or running; the limit is {self.limit} "
+                                "(FXPORT_MAX_JOBS_IN_FLIGHT): wait for some to finish or cancel them",
+                                trailing_metadata=(QUEUE_FULL_METADATA, ("retry-after", str(QUEUE_RETRY_AFTER_S))))
 
     @contextmanager
-    def admit(self, tenant: str, context: grpc.ServicerContext) -> Iterator[None]:
+    def admit(self, tenant: str) -> Iterator[None]:
         """Check, then run the body (which creates the job) before anyone else of this tenant checks."""
         with self._guard:
             lock = self._locks.setdefault(tenant, threading.Lock())
         with lock:
-            self.check(tenant, context)
+            self.check(tenant)
             yield
 
 
@@ -209,7 +207,7 @@ class SpoolBudget(_SharedCounts):
 
     @contextmanager
     def reservation(self, tenant: str) -> Iterator[Reserve]:
-        """`reserve(n)` for one upload of `tenant`, raising UploadRejected(busy) when n more bytes
+        """`reserve(n)` for one upload of `tenant`, raising QuotaExceeded when n more bytes
         would pass a limit; everything it reserved is given back at the end of the block."""
         from fxport.metrics import METRICS
 
@@ -218,15 +216,14 @@ class SpoolBudget(_SharedCounts):
         def reserve(n: int) -> None:
             nonlocal taken
             if taken + n > self.per_tenant:  # this upload alone could never fit: not a matter of waiting
-                raise UploadRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"this upload needs {taken + n} bytes of the API server's spool, more than one "
+                raise QuotaExceeded(f"this upload needs {taken + n} bytes of the API server's spool, more than one "
                                      f"tenant may hold, {self.per_tenant} (half of FXPORT_MAX_SPOOL_BYTES): send "
                                      "less at once (with an S3 store, files of 16 MiB or more go straight to the "
                                      "store and never pass the spool), or ask for a larger spool")
             refused = self.reserve(tenant, n)
             if refused is not None:
                 METRICS.busy_refusals_total.labels("spool", refused[0]).inc()
-                raise UploadRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, refused[1], busy=True)
+                raise QuotaExceeded(refused[1], trailing_metadata=(BUSY_RETRY_METADATA,))
             taken += n
 
         try:

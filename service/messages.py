@@ -31,7 +31,7 @@ def job_to_proto(rec: JobRecord) -> pb.Job:
     msg = pb.Job(
         id=rec.id, tenant=rec.tenant, state=STATE_TO_PROTO[rec.state], stage=rec.stage or "",
         progress=rec.progress, message=rec.message,
-        spec_json=json.dumps(rec.spec, sort_keys=True, separators=(",", ":")), spec_digest=rec.spec_digest,
+        spec_json=json.dumps(rec.spec.normalized(), sort_keys=True, separators=(",", ":")), spec_digest=rec.spec_digest,
         labels=rec.labels, cache_hit=rec.cache_hit, worker=rec.worker or "", attempts=rec.attempts,
         idempotency_key=rec.idempotency_key or "", last_seq=rec.last_seq,
         model=pb.InputRef(sha256=rec.model.sha256, bytes=rec.model.bytes, filename=rec.model.filename,
@@ -46,7 +46,8 @@ def job_to_proto(rec: JobRecord) -> pb.Job:
         msg.staged_artifacts.add(name=a.name, format=a.format, key=a.key, bytes=a.bytes, sha256=a.sha256)
     if rec.error is not None:
         e = rec.error
-        msg.error.CopyFrom(pb.JobError(stage=e.stage or "", code=e.code, message=e.message, detail=e.detail or ""))
+        msg.error.CopyFrom(pb.JobError(stage=e.stage or "", code=e.code, message=e.message, detail=e.detail or "",
+                                       field=e.field or ""))
     for field in ("created_at", "updated_at", "started_at", "finished_at"):
         ts = timestamp(getattr(rec, field))
         if ts is not None:

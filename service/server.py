@@ -26,6 +26,7 @@ from fxport.config import Settings
 from fxport.jobs import JobStore, SweepResult, open_job_store, sweep_orphans
 from fxport.periodic import PeriodicTask
 from fxport.service.auth import build_auth, server_credentials
+from fxport.service.dispatch import CeleryDispatcher, EmbeddedPoolFactory
 from fxport.service.interceptors import (
     CallSlotsInterceptor,
     LoggingInterceptor,
@@ -34,8 +35,8 @@ from fxport.service.interceptors import (
 )
 from fxport.service.limits import CallSlots, SpoolBudget, StreamSlots
 from fxport.service.servicer import ConversionServicer
+from fxport.service.status import ErrorStatusInterceptor
 from fxport.service.tenancy import current_tenant
-from fxport.service.unavailable import BackendUnavailableInterceptor
 from fxport.storage import open_store
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
@@ -171,7 +172,7 @@ class FxportServer:
 
 
 class OrphanSweeper(PeriodicTask):
-    """Every `orphan_sweep_interval_s`, `sweep_orphans` (fxport/jobs.py) in a daemon thread:
+    """Every `orphan_sweep_interval_s`, `sweep_orphans` (fxport/jobs/orphans.py) in a daemon thread:
     RUNNING jobs whose worker died and that no redelivery picked up are requeued, or failed
     after their last attempt. Orphaned means silent for twice the redelivery bound."""
 
@@ -233,13 +234,20 @@ def create_server(
     *,
     tenant_of: Callable[[grpc.ServicerContext], str] = current_tenant,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    embedded_pool: EmbeddedPoolFactory | None = None,
 ) -> tuple[FxportServer, int]:
+    """`embedded_pool` builds the in-process worker pool of the embedded mode from the server's
+    stores; the API never imports worker code, so whoever builds an embedded server passes it
+    (fxport.workers.embedded.create_embedded_pool; `fxport serve` and tests: cli/server.py)."""
     settings = settings or Settings()
+    if settings.embedded and embedded_pool is None:
+        raise ValueError("the embedded mode runs jobs in this process: pass embedded_pool="
+                         "fxport.workers.embedded.create_embedded_pool (fxport.cli.server.create_server does)")
     # Credentials first: a server that would listen unauthenticated never opens its stores.
     auth = build_auth(settings)
     tls = server_credentials(settings)
     artifacts = open_store(settings.store_url(), retry_s=settings.store_retry_s)
-    # A blip is retried for a second; a longer outage answers UNAVAILABLE (service/unavailable.py).
+    # A blip is retried for a second; a longer outage answers UNAVAILABLE (service/status.py).
     jobs = open_job_store(settings.job_store_url(), settings.home, retry_s=1.0, events_ttl_s=settings.events_ttl_s)
     if settings.metrics_port is not None:
         from fxport.metrics import MeteredJobStore
@@ -249,17 +257,11 @@ def create_server(
     on_stop: list[Callable[[], Any]] = []
     before_stop: list[Callable[[], Any]] = []
     if settings.embedded:
-        from fxport.service.embedded import EmbeddedPool
-        from fxport.workers.jobs import WorkerContext
-
-        ctx = WorkerContext(jobs=jobs, artifacts=artifacts, settings=settings,
-                            **cast("dict[str, Any]", {"worker_id": settings.worker_id} if settings.worker_id else {}))
-        dispatcher: Any = EmbeddedPool(ctx, settings.embedded_workers)
+        assert embedded_pool is not None  # checked above, before any store was opened
+        dispatcher: Any = embedded_pool(jobs, artifacts, settings)
         on_start.append(dispatcher.recover)
         before_stop.append(dispatcher.close)
     else:
-        from fxport.service.dispatch import CeleryDispatcher
-
         dispatcher = CeleryDispatcher(settings)
         on_stop.append(dispatcher.close)
         if settings.orphan_sweep_interval_s > 0:
@@ -280,7 +282,7 @@ def create_server(
         ThreadPoolExecutor(max_workers=settings.grpc_max_workers, thread_name_prefix="fxport-rpc"),
         interceptors=[*rpc_metrics, *([auth] if auth else []),
                       CallSlotsInterceptor(stream_slots, call_slots, SERVICE_NAME), TracingInterceptor(SERVICE_NAME),
-                      *interceptors, LoggingInterceptor(), BackendUnavailableInterceptor()],
+                      *interceptors, LoggingInterceptor(), ErrorStatusInterceptor()],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
                  ("grpc.so_reuseport", 0)],
     )

@@ -1,25 +1,34 @@
-"""ConversionService: validate, store, enqueue, answer. Errors leave as gRPC status codes."""
+"""ConversionService: validate, store, enqueue, answer. Handlers raise typed errors (fxport.errors);
+service/status.py answers each with the gRPC status its code maps to."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
 from fxport import tracing
 from fxport.cache import Lookup, ResultCache, wants_engine
 from fxport.config import Settings
-from fxport.errors import SpecError
+from fxport.errors import (
+    DataLoss,
+    ErrorRecord,
+    InvalidRequest,
+    NotFound,
+    PreconditionFailed,
+    QuotaExceeded,
+    ServiceUnavailable,
+)
 from fxport.jobs import (
     KEEP_FOREVER,
     IdempotencyConflict,
     InputRef,
-    JobErrorInfo,
     JobRecord,
     JobState,
     JobStore,
@@ -30,10 +39,10 @@ from fxport.logs import job_context
 from fxport.metrics import METRICS
 from fxport.retention import RetentionPolicy, RetentionSweeper, span_text
 from fxport.service.dispatch import Dispatcher
-from fxport.service.limits import BUSY_RETRY_METADATA, InFlightLimit, SpoolBudget
+from fxport.service.limits import InFlightLimit, SpoolBudget
 from fxport.service.messages import STATE_FROM_PROTO, event_to_proto, job_to_proto, timestamp
 from fxport.service.tenancy import current_tenant
-from fxport.service.uploads import SpooledFile, SpooledUpload, UploadRejected, check_header, declared_bytes
+from fxport.service.uploads import SpooledFile, SpooledUpload, check_header, declared_bytes
 from fxport.spec import JobSpec, load_spec_text, parse_spec
 from fxport.storage import (
     JOB_ID_RE,
@@ -77,32 +86,6 @@ def _toolchain_source(settings: Settings) -> Any:
     return None
 
 
-# The spec error's share of the response's trailing metadata, which a gRPC client refuses past 8 KiB
-# ("received metadata size exceeds soft limit"): the message goes there twice (grpc-message and the
-# Status in grpc-status-details-bin, base64) beside the field violations.
-MAX_SPEC_ERROR_CHARS = 1200
-
-
-def abort_invalid_spec(context: grpc.ServicerContext, err: SpecError) -> NoReturn:
-    """INVALID_ARGUMENT with google.rpc.BadRequest field violations in the trailing metadata;
-    the message lists the same violations for clients that don't read the details. Both are
-    bounded (MAX_SPEC_ERROR_CHARS), whatever the spec: the rest is counted, not listed."""
-    from google.rpc import code_pb2, error_details_pb2, status_pb2
-    from grpc_status import rpc_status
-
-    listed = len(err.lines(MAX_SPEC_ERROR_CHARS))
-    bad = error_details_pb2.BadRequest(
-        field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=f, description=m[: SpecError.MAX_LINE])
-            for f, m in err.violations[:listed]
-        ]
-    )
-    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=err.text(MAX_SPEC_ERROR_CHARS))
-    status.details.add().Pack(bad)
-    context.abort_with_status(rpc_status.to_status(status))
-    raise AssertionError("unreachable")
-
-
 class RecentMisses:
     """Cache keys that CheckUpload looked up and missed a moment ago. The SubmitJob that follows
     (the client's next call) takes that miss instead of reading the entry again: one object-store
@@ -127,11 +110,13 @@ class RecentMisses:
         return at is not None and time.monotonic() - at < self.ttl_s
 
 
-def _refuse_upload(rej: UploadRejected, context: grpc.ServicerContext) -> NoReturn:
-    if rej.busy:  # refused for want of shared capacity: the same upload may be retried later
-        context.set_trailing_metadata((BUSY_RETRY_METADATA,))
-    context.abort(rej.code, rej.message)
-    raise AssertionError("context.abort raises")
+@functools.lru_cache(maxsize=64)
+def _spec_of(text: str) -> JobSpec:
+    """The spec a request's text holds, validated once per distinct text: CheckUpload and the
+    SubmitJob that follows it carry the same text, and a CI fleet submits a few specs many times.
+    A spec is frozen, so one validated instance serves every job that sends its text. Raises
+    SpecError (not cached: a bad spec is checked again, and answered the same)."""
+    return parse_spec(load_spec_text(text, source="spec"))
 
 
 def _cache_allowed(header: pb.SubmitHeader) -> bool:
@@ -179,27 +164,23 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         """The job, if it exists and belongs to the caller's tenant; NOT_FOUND otherwise
         (another tenant's job is indistinguishable from a missing one)."""
         if not JOB_ID_RE.match(job_id or ""):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job_id: {job_id[:80]!r} is not a job id")
+            raise InvalidRequest(f"job_id: {job_id[:80]!r} is not a job id")
         rec = self.jobs.get(job_id)
         if rec is None or rec.tenant != self.tenant_of(context):
             kept = f"; {self.retention.describe()}" if self.retention.active else ""
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id}{kept}")
-        assert rec is not None  # context.abort raised otherwise
+            raise NotFound(f"no job {job_id}{kept}")
         return rec
 
-    def _stored_input(self, tenant: str, what: str, header: pb.FileHeader, context: grpc.ServicerContext) -> InputRef:
+    def _stored_input(self, tenant: str, what: str, header: pb.FileHeader) -> InputRef:
         key = input_key(tenant, header.sha256)
         meta = self.artifacts.head(key)
         if meta is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{what}.stored is set but this server has no {what} with sha256 {header.sha256}; "
-                          "send the bytes")
-        assert meta is not None  # context.abort raised otherwise
-        self._count_input(tenant, what, meta.sha256, meta.bytes, self._input_keep_until(), context)
+            raise PreconditionFailed(f"{what}.stored is set but this server has no {what} with sha256 {header.sha256}; "
+                                     "send the bytes")
+        self._count_input(tenant, what, meta.sha256, meta.bytes, self._input_keep_until())
         return InputRef(sha256=meta.sha256, bytes=meta.bytes, filename=header.filename, key=key)
 
-    def _count_input(self, tenant: str, what: str, sha256: str, size: int, keep_until: float,
-                     context: grpc.ServicerContext) -> None:
+    def _count_input(self, tenant: str, what: str, sha256: str, size: int, keep_until: float) -> None:
         """Count one input against the tenant's quota (fxport/retention.py: the input ledger), or
         end the call with RESOURCE_EXHAUSTED naming the quota, its setting and what to do."""
         quota = self.settings.max_input_bytes_per_tenant
@@ -210,25 +191,25 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         retention = self.settings.input_retention_s
         kept = (f"an input no QUEUED or RUNNING job names is deleted {span_text(retention)} after the last submit "
                 "that used it" if retention else "inputs are kept for good")
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"{what}: tenant {tenant} has {admitted.used_bytes} bytes of stored inputs; these {size} bytes "
-                      f"would pass its quota of {quota} bytes (FXPORT_MAX_INPUT_BYTES_PER_TENANT). {kept.capitalize()} "
-                      "(FXPORT_INPUT_RETENTION_S): submit again once older inputs are gone, reuse a model already "
-                      "stored, or ask the operator to raise the quota")
+        raise QuotaExceeded(
+            f"{what}: tenant {tenant} has {admitted.used_bytes} bytes of stored inputs; these {size} bytes would pass "
+            f"its quota of {quota} bytes (FXPORT_MAX_INPUT_BYTES_PER_TENANT). {kept.capitalize()} "
+            "(FXPORT_INPUT_RETENTION_S): submit again once older inputs are gone, reuse a model already stored, or ask "
+            "the operator to raise the quota")
 
     def _input_keep_until(self) -> float:
         """Until when an input a job was just submitted with is kept (FXPORT_INPUT_RETENTION_S)."""
         retention = self.settings.input_retention_s
         return self.jobs.clock() + retention if retention else KEEP_FOREVER
 
-    def _count_declared_inputs(self, tenant: str, header: pb.SubmitHeader, context: grpc.ServicerContext) -> None:
+    def _count_declared_inputs(self, tenant: str, header: pb.SubmitHeader) -> None:
         """Before any byte moves: the inputs the header names by digest and size, counted for as
         long as an upload may take (the job's creation then keeps them for the retention time)."""
         until = self.jobs.clock() + PENDING_INPUT_S
         for what in ("model", "calibration"):
             file = getattr(header, what)
             if header.HasField(what) and file.sha256 and file.size:
-                self._count_input(tenant, what, file.sha256, file.size, until, context)
+                self._count_input(tenant, what, file.sha256, file.size, until)
 
     def _cache_lookup(self, tenant: str, model_sha256: str, calibration_sha256: str | None, spec: JobSpec,
                       *, prove: bool, before_submit: bool = False) -> Lookup:
@@ -260,7 +241,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         return found
 
     def _answer_from_cache(self, tenant: str, spec: JobSpec, header: pb.SubmitHeader, found: Lookup,
-                           idempotency_key: str | None, context: grpc.ServicerContext) -> pb.Job | None:
+                           idempotency_key: str | None) -> pb.Job | None:
         """A new job in the caller's tenant, SUCCEEDED at once, sharing the cached artifacts; None when
         the job that made them was removed meanwhile (the submit then converts)."""
         entry = found.entry
@@ -274,7 +255,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         source = f" of job {entry.job_id}" if entry.tenant == tenant else ""
         rec = JobRecord(
             id=new_job_id(now), tenant=tenant, state=JobState.SUCCEEDED, progress=1.0,
-            message=f"cache hit: the artifacts{source}, proof-checked", spec=spec.normalized(),
+            message=f"cache hit: the artifacts{source}, proof-checked", spec=spec,
             spec_digest=spec.digest(), labels=spec.labels,
             model=InputRef(sha256=entry.model_sha256, bytes=entry.model_bytes, filename=header.model.filename,
                            key=input_key(tenant, entry.model_sha256)),
@@ -284,7 +265,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         try:
             rec, created = self.jobs.create(rec)
         except IdempotencyConflict as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise PreconditionFailed(str(exc)) from None
         except SharedArtifactsGone:  # retention removed the job that made them: convert instead
             log.info("cache entry of a removed job dropped", extra={"cache_key": found.key, "source": entry.job_id})
             self.cache.drop(entry.key)
@@ -298,17 +279,13 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                                                           "rehashed_bytes": found.rehashed_bytes})
         return job_to_proto(rec)
 
-    def _spec_or_abort(self, text: str, context: grpc.ServicerContext) -> JobSpec:
+    def _validated_spec(self, text: str) -> JobSpec:
         """The request's spec text, size-checked and validated; otherwise the call ends with
         RESOURCE_EXHAUSTED (too big) or INVALID_ARGUMENT naming the field."""
         size = len(text.encode())
         if size > self.settings.max_spec_bytes:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"spec is {size} bytes; the limit is {self.settings.max_spec_bytes}")
-        try:
-            return parse_spec(load_spec_text(text, source="spec"))
-        except SpecError as err:
-            abort_invalid_spec(context, err)
+            raise QuotaExceeded(f"spec is {size} bytes; the limit is {self.settings.max_spec_bytes}")
+        return _spec_of(text)
 
     def _model_mirror(self, tenant: str, header: pb.FileHeader) -> Any:
         """A large model with a declared digest that the store lacks goes on to the store while
@@ -325,9 +302,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             log.warning("cannot stream the model to the store: %s", exc)
             return None
 
-    def _store_input(self, tenant: str, what: str, spooled: SpooledFile, context: grpc.ServicerContext) -> InputRef:
+    def _store_input(self, tenant: str, what: str, spooled: SpooledFile) -> InputRef:
         key = input_key(tenant, spooled.sha256)
-        self._count_input(tenant, what, spooled.sha256, spooled.size, self._input_keep_until(), context)
+        self._count_input(tenant, what, spooled.sha256, spooled.size, self._input_keep_until())
         if spooled.stored is not None and spooled.stored.key == key:
             pass  # streamed to the store as it arrived, digest checked
         elif spooled.size < SMALL_INPUT_BYTES or self.artifacts.head(key) is None:
@@ -337,25 +314,21 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
 
     # -- RPCs ------------------------------------------------------------------------------
 
-    def _answer_without_bytes(self, tenant: str, header: pb.SubmitHeader, context: grpc.ServicerContext,
-                              *, before_submit: bool = False) -> tuple[JobSpec, pb.Job | None, bool]:
+    def _answer_without_bytes(self, tenant: str, header: pb.SubmitHeader, *,
+                              before_submit: bool = False) -> tuple[JobSpec, pb.Job | None, bool]:
         """SubmitJob's steps before any byte moves: the header checked, then the job its idempotency
         key already names, then the cached result. Returns (the spec, the job answered or None,
         whether the cache was looked up). Shared with CheckUpload's `submit_if_cached`
         (`before_submit`: a miss stands for the SubmitJob that follows)."""
         # 1. The spec, before anything is stored.
-        spec = self._spec_or_abort(header.spec, context)
+        spec = self._validated_spec(header.spec)
         if not header.HasField("model"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "header.model is required")
+            raise InvalidRequest("header.model is required")
         if len(header.idempotency_key) > MAX_IDEMPOTENCY_KEY:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"idempotency_key is longer than {MAX_IDEMPOTENCY_KEY} characters")
-        try:
-            check_header("model", header.model, self.settings.max_upload_bytes)
-            if header.HasField("calibration"):
-                check_header("calibration", header.calibration, self.settings.max_upload_bytes)
-        except UploadRejected as rej:
-            _refuse_upload(rej, context)
+            raise InvalidRequest(f"idempotency_key is longer than {MAX_IDEMPOTENCY_KEY} characters")
+        check_header("model", header.model, self.settings.max_upload_bytes)
+        if header.HasField("calibration"):
+            check_header("calibration", header.calibration, self.settings.max_upload_bytes)
         # 2. A repeated submit with a known key is answered before any bytes move.
         key = header.idempotency_key or None
         if key:
@@ -364,7 +337,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 if existing.spec_digest == spec.digest() and header.model.sha256 in ("", existing.model.sha256):
                     log.info("idempotent resubmit", extra={"job_id": existing.id})
                     return spec, job_to_proto(existing), False
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(IdempotencyConflict(existing)))
+                raise PreconditionFailed(str(IdempotencyConflict(existing)))
         # 3. The result cache, before any byte moves, when the header names the inputs' digests.
         calib_sha = header.calibration.sha256 if header.HasField("calibration") else None
         if _cache_allowed(header) and header.model.sha256:
@@ -373,7 +346,7 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             if found.hit and not self._holds_inputs(tenant, found):
                 return spec, None, False  # another tenant's result: looked up again once the bytes are hashed
             if found.hit:
-                return spec, self._answer_from_cache(tenant, spec, header, found, key, context), True
+                return spec, self._answer_from_cache(tenant, spec, header, found, key), True
             return spec, None, True  # looked up and missed: not again after the upload
         return spec, None, False
 
@@ -397,21 +370,19 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
     def SubmitJob(self, request_iterator: Iterable[pb.SubmitJobRequest], context: grpc.ServicerContext) -> pb.Job:
         tenant = self.tenant_of(context)
         with tracing.span("fxport.SubmitJob", tenant=tenant) as span:
-            job = self._submit(tenant, request_iterator, context)
+            job = self._submit(tenant, request_iterator)
             if span is not None:
                 span.set_attribute("job_id", job.id)
                 span.set_attribute("cache_hit", job.cache_hit)
             return job
 
-    def _submit(self, tenant: str, request_iterator: Iterable[pb.SubmitJobRequest],
-                context: grpc.ServicerContext) -> pb.Job:
+    def _submit(self, tenant: str, request_iterator: Iterable[pb.SubmitJobRequest]) -> pb.Job:
         requests = iter(request_iterator)
         first = next(requests, None)
         if first is None or first.WhichOneof("payload") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first SubmitJobRequest must carry the header")
-        assert first is not None  # context.abort raised otherwise
+            raise InvalidRequest("the first SubmitJobRequest must carry the header")
         header = first.header
-        spec, answered, looked_up = self._answer_without_bytes(tenant, header, context)
+        spec, answered, looked_up = self._answer_without_bytes(tenant, header)
         if answered is not None:
             return answered
         key = header.idempotency_key or None
@@ -419,51 +390,48 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         use_cache = _cache_allowed(header) and not looked_up  # a header without digests: after the upload
         # A tenant at its in-flight limit, or whose new inputs would pass its quota, is refused
         # before any byte moves (and again at create, and once the bytes are hashed).
-        self.in_flight.check(tenant, context)
-        self._count_declared_inputs(tenant, header, context)
+        self.in_flight.check(tenant)
+        self._count_declared_inputs(tenant, header)
         # 4. Bytes: spooled to disk, checked, stored content-addressed.
         started = time.monotonic()
         # The spool bytes it declares are reserved before any arrive, and given back once its files are deleted.
         with (self.spool.reservation(tenant) as reserve,
               SpooledUpload(self.settings.spool_dir, self.settings.max_upload_bytes, reserve) as upload):
-            try:
-                reserve(declared_bytes(header))
-                model_file, calib_file = upload.receive(header, requests, self._model_mirror(tenant, header.model))
-            except UploadRejected as rej:
-                _refuse_upload(rej, context)
+            reserve(declared_bytes(header))
+            model_file, calib_file = upload.receive(header, requests, self._model_mirror(tenant, header.model))
             if use_cache and model_file is not None:  # a client that did not send the digest first
                 found = self._cache_lookup(tenant, model_file.sha256, calib_file.sha256 if calib_file else calib_sha,
                                            spec, prove=True)
-                answered = self._answer_from_cache(tenant, spec, header, found, key, context) if found.hit else None
+                answered = self._answer_from_cache(tenant, spec, header, found, key) if found.hit else None
                 if answered is not None:
                     return answered
             received_s = time.monotonic() - started
             try:
-                model = (self._store_input(tenant, "model", model_file, context) if model_file
-                         else self._stored_input(tenant, "model", header.model, context))
+                model = (self._store_input(tenant, "model", model_file) if model_file
+                         else self._stored_input(tenant, "model", header.model))
                 calibration = None
                 if calib_file is not None:
-                    calibration = self._store_input(tenant, "calibration", calib_file, context)
+                    calibration = self._store_input(tenant, "calibration", calib_file)
                 elif header.HasField("calibration"):
-                    calibration = self._stored_input(tenant, "calibration", header.calibration, context)
+                    calibration = self._stored_input(tenant, "calibration", header.calibration)
             except StorageError as exc:
                 log.error("object store failure during submit: %s", exc)
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"object store unavailable, try again: {exc}")
+                raise ServiceUnavailable(f"object store unavailable, try again: {exc}") from None
         upload_s = time.monotonic() - started
         if self.cache.enabled and not header.no_cache:
             METRICS.cache_misses_total.inc()
         # 5. The record, then the queue.
         job_id = new_job_id()
         rec = JobRecord(
-            id=job_id, tenant=tenant, spec=spec.normalized(), spec_digest=spec.digest(), labels=spec.labels,
+            id=job_id, tenant=tenant, spec=spec, spec_digest=spec.digest(), labels=spec.labels,
             model=model, calibration=calibration, idempotency_key=key, task_id=job_id, message="queued",
             trace_context=tracing.carrier(),
         )
         try:
-            with self.in_flight.admit(tenant, context):
+            with self.in_flight.admit(tenant):
                 rec, created = self.jobs.create(rec)
         except IdempotencyConflict as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise PreconditionFailed(str(exc)) from None
         with job_context(rec.id):
             if not created:
                 return job_to_proto(rec)
@@ -472,9 +440,9 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 self.dispatcher.enqueue(rec.id)
             except Exception as exc:
                 log.error("enqueue failed: %s", exc)
-                self.jobs.transition(rec.id, state=JobState.FAILED, error=JobErrorInfo(
+                self.jobs.transition(rec.id, state=JobState.FAILED, error=ErrorRecord(
                     stage="submit", code="enqueue_failed", message=f"could not queue the job: {exc}"))
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"job queue unavailable, try again: {exc}")
+                raise ServiceUnavailable(f"job queue unavailable, try again: {exc}") from None
             log.info("job submitted", extra={"tenant": tenant, "model_bytes": model.bytes,
                                              "upload_s": round(upload_s, 3), "received_s": round(received_s, 3),
                                              "targets": ",".join(spec.targets)})
@@ -486,18 +454,18 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         kinds = [kind for kind in ("model", "calibration") if getattr(request, f"{kind}_sha256")]
         for kind in kinds:
             if not SHA256_RE.match(getattr(request, f"{kind}_sha256")):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}_sha256: expected 64 lowercase hex digits")
+                raise InvalidRequest(f"{kind}_sha256: expected 64 lowercase hex digits")
         looked_up = False
         if request.HasField("submit_if_cached") and not request.no_cache and not request.submit_if_cached.no_cache:
             # A resubmission in one round trip: the job is made from the cache here, as SubmitJob would.
-            _, answered, looked_up = self._answer_without_bytes(tenant, request.submit_if_cached, context,
+            _, answered, looked_up = self._answer_without_bytes(tenant, request.submit_if_cached,
                                                                 before_submit=True)
             if answered is not None:
                 out.job.CopyFrom(answered)
                 out.cache_hit = answered.cache_hit
                 return out
         if request.model_sha256 and not request.no_cache and not looked_up:
-            spec = self._spec_or_abort(request.spec, context)
+            spec = self._validated_spec(request.spec)
             # The cheap half of the proof (sizes and recorded digests): SubmitJob does the rest.
             found = self._cache_lookup(tenant, request.model_sha256, request.calibration_sha256 or None, spec,
                                        prove=False)
@@ -508,11 +476,10 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
             present = self.artifacts.exists(input_key(tenant, getattr(request, f"{kind}_sha256")))
             setattr(out, f"{kind}_present", present)
         if request.direct_upload and self.settings.direct_upload:
-            self._offer_direct_uploads(tenant, request, out, context)
+            self._offer_direct_uploads(tenant, request, out)
         return out
 
-    def _offer_direct_uploads(self, tenant: str, request: pb.CheckUploadRequest, out: pb.CheckUploadResponse,
-                              context: grpc.ServicerContext) -> None:
+    def _offer_direct_uploads(self, tenant: str, request: pb.CheckUploadRequest, out: pb.CheckUploadResponse) -> None:
         """Presigned PUTs for the inputs the store lacks (S3 only): their bytes then go from the
         client to the store and never through this process. Each URL is bound to the tenant's
         content address, the declared size and sha256 (storage.S3Store.presigned_put)."""
@@ -528,10 +495,10 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         # that submit comes (fxport/retention.py).
         if not wanted or not request.spec or self.in_flight.count(tenant) >= self.in_flight.limit:
             return
-        self._spec_or_abort(request.spec, context)
+        self._validated_spec(request.spec)
         until = self.jobs.clock() + DEFAULT_URL_EXPIRY_S + PENDING_INPUT_S
         for kind, sha, size in wanted:
-            self._count_input(tenant, kind, sha, size, until, context)
+            self._count_input(tenant, kind, sha, size, until)
             try:
                 signed = self.artifacts.presigned_put(input_key(tenant, sha), sha256=sha, size=size,
                                                       expires_s=DEFAULT_URL_EXPIRY_S)
@@ -554,16 +521,15 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
         try:
             states = [STATE_FROM_PROTO[s] for s in request.states]
         except KeyError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"states: {exc.args[0]} is not a job state to filter on; valid: "
-                          + ", ".join(f"{pb.JobState.Name(v)} ({v})" for v in STATE_FROM_PROTO))
+            raise InvalidRequest(f"states: {exc.args[0]} is not a job state to filter on; valid: "
+                                 + ", ".join(f"{pb.JobState.Name(v)} ({v})" for v in STATE_FROM_PROTO)) from None
         if request.page_size < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "page_size: must not be negative")
+            raise InvalidRequest("page_size: must not be negative")
         try:
             records, token = self.jobs.list(tenant, states=states, labels=dict(request.labels),
                                             page_size=request.page_size or 50, page_token=request.page_token or None)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise InvalidRequest(str(exc)) from None
         return pb.ListJobsResponse(jobs=[job_to_proto(r) for r in records], next_page_token=token or "")
 
     def WatchJob(self, request: pb.WatchJobRequest, context: grpc.ServicerContext) -> Iterator[pb.JobEvent]:
@@ -599,11 +565,10 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 return job_to_proto(rec)
             new, changed = self.jobs.transition(
                 rec.id, state=JobState.CANCELLED, message="cancelled",
-                error=JobErrorInfo(stage=rec.stage, code="cancelled", message="cancelled by request"),
+                error=ErrorRecord(stage=rec.stage, code="cancelled", message="cancelled by request"),
             )
             if new is None:  # removed by retention since _owned found it: it had finished
-                context.abort(grpc.StatusCode.NOT_FOUND, f"no job {rec.id}; {self.retention.describe()}")
-            assert new is not None  # context.abort raised otherwise
+                raise NotFound(f"no job {rec.id}; {self.retention.describe()}")
             if changed:
                 self.dispatcher.cancel(new)
                 try:
@@ -613,19 +578,19 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 log.info("job cancelled", extra={"stage": rec.stage})
             return job_to_proto(new)
 
-    def _artifact(self, rec: JobRecord, name: str, context: grpc.ServicerContext) -> Any:
+    def _artifact(self, rec: JobRecord, name: str) -> Any:
         """The job's artifact `name`: a result, or while the job runs one it stored early (staged)."""
         for art in (*rec.artifacts, *rec.staged):
             if art.name == name:
                 return art
         names = ", ".join(a.name for a in (*rec.artifacts, *rec.staged)) or "none yet"
-        context.abort(grpc.StatusCode.NOT_FOUND, f"job {rec.id} has no artifact {name!r}; it has: {names}")
+        raise NotFound(f"job {rec.id} has no artifact {name!r}; it has: {names}")
 
     def DownloadArtifact(
         self, request: pb.DownloadArtifactRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.DownloadArtifactResponse]:
         rec = self._owned(request.job_id, context)
-        art = self._artifact(rec, request.name, context)
+        art = self._artifact(rec, request.name)
         yield pb.DownloadArtifactResponse(header=pb.ArtifactHeader(name=art.name, bytes=art.bytes, sha256=art.sha256))
         h = hashlib.sha256()
         try:
@@ -633,27 +598,26 @@ class ConversionServicer(pb_grpc.ConversionServiceServicer):
                 h.update(chunk)
                 yield pb.DownloadArtifactResponse(chunk=chunk)
         except ObjectNotFound:
-            context.abort(grpc.StatusCode.DATA_LOSS, f"artifact {art.name!r} is recorded but missing from the store")
+            raise DataLoss(f"artifact {art.name!r} is recorded but missing from the store") from None
         except StorageError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"object store: {exc}")
+            raise ServiceUnavailable(f"object store: {exc}") from None
         if h.hexdigest() != art.sha256:
             with job_context(rec.id):
                 if art in rec.staged:  # the worker stored it again meanwhile: the client fetches it at the end
                     log.info("staged artifact %s changed while it was read", art.name)
                 else:
                     log.error("stored artifact %s does not match its sha256", art.name)
-            context.abort(grpc.StatusCode.DATA_LOSS, f"artifact {art.name!r} in the store does not match its sha256")
+            raise DataLoss(f"artifact {art.name!r} in the store does not match its sha256")
 
     def GetArtifactUrl(
         self, request: pb.GetArtifactUrlRequest, context: grpc.ServicerContext
     ) -> pb.GetArtifactUrlResponse:
         rec = self._owned(request.job_id, context)
-        art = self._artifact(rec, request.name, context)
+        art = self._artifact(rec, request.name)
         expires = min(max(request.expires_s or DEFAULT_URL_EXPIRY_S, 1), MAX_URL_EXPIRY_S)
         url = self.artifacts.presigned_url(art.key, expires)
         if url is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          "this server's artifact store cannot make presigned URLs; use DownloadArtifact")
+            raise PreconditionFailed("this server's artifact store cannot make presigned URLs; use DownloadArtifact")
         out = pb.GetArtifactUrlResponse(url=url, bytes=art.bytes, sha256=art.sha256)
         out.expires_at.CopyFrom(timestamp(time.time() + expires))
         return out

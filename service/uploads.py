@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-
+from fxport.errors import InvalidRequest, QuotaExceeded
 from fxport.metrics import METRICS
 from fxport.storage import SHA256_RE
 from fxport.v1 import conversion_pb2 as pb
@@ -28,18 +27,7 @@ log = logging.getLogger(__name__)
 MAX_FILENAME = 255  # informational only (the engine detects formats by content), but stored on the job
 
 
-class UploadRejected(Exception):
-    """`busy`: refused for want of a capacity every tenant shares (the spool), not for what was
-    sent: the same upload may be retried later."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, *, busy: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.busy = busy
-
-
-# Reserve n more bytes of the spool for this upload, or raise UploadRejected(busy=True).
+# Reserve n more bytes of the spool for this upload, or raise QuotaExceeded (busy: retry later).
 Reserve = Callable[[int], None]
 
 
@@ -56,19 +44,16 @@ def check_header(what: str, header: pb.FileHeader, max_bytes: int) -> None:
     """Refuse what can be refused before any byte arrives."""
     name = header.filename
     if len(name) > MAX_FILENAME or any(c in name for c in "/\\") or any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"{what}.filename: a file name (no path, no control characters, at most {MAX_FILENAME} "
+        raise InvalidRequest(f"{what}.filename: a file name (no path, no control characters, at most {MAX_FILENAME} "
                              f"characters), got {name[:80]!r}")
     if header.sha256 and not SHA256_RE.match(header.sha256):
-        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"{what}.sha256: expected 64 lowercase hex digits, got {header.sha256[:80]!r}")
+        raise InvalidRequest(f"{what}.sha256: expected 64 lowercase hex digits, got {header.sha256[:80]!r}")
     if header.size < 0:
-        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}.size: must not be negative")
+        raise InvalidRequest(f"{what}.size: must not be negative")
     if header.size > max_bytes:
-        raise UploadRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"{what} is {header.size} bytes; this server accepts at most {max_bytes} bytes")
+        raise QuotaExceeded(f"{what} is {header.size} bytes; this server accepts at most {max_bytes} bytes")
     if header.stored and not header.sha256:
-        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{what}.stored needs {what}.sha256")
+        raise InvalidRequest(f"{what}.stored needs {what}.sha256")
 
 
 class _Sink:
@@ -92,11 +77,9 @@ class _Sink:
         METRICS.upload_bytes_total.labels(self.what).inc(len(chunk))  # every byte that arrived, kept or not
         self.size += len(chunk)
         if self.size > self.max_bytes:
-            raise UploadRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"{self.what} upload passed {self.max_bytes} bytes, this server's limit")
+            raise QuotaExceeded(f"{self.what} upload passed {self.max_bytes} bytes, this server's limit")
         if self.header.size and self.size > self.header.size:
-            raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"{self.what} upload is longer than the {self.header.size} bytes its header declared")
+            raise InvalidRequest(f"{self.what} upload is longer than the {self.header.size} bytes its header declared")
         if not self.header.size:
             self.reserve(len(chunk))
         self.hash.update(chunk)
@@ -117,13 +100,11 @@ class _Sink:
         self.file.close()
         digest = self.hash.hexdigest()
         if self.size == 0:
-            raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{self.what} upload is empty")
+            raise InvalidRequest(f"{self.what} upload is empty")
         if self.header.size and self.size != self.header.size:
-            raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"{self.what} upload ended after {self.size} of {self.header.size} declared bytes")
+            raise InvalidRequest(f"{self.what} upload ended after {self.size} of {self.header.size} declared bytes")
         if self.header.sha256 and digest != self.header.sha256:
-            raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"{self.what} upload corrupted in transit: "
+            raise InvalidRequest(f"{self.what} upload corrupted in transit: "
                                  f"sha256 {digest} != declared {self.header.sha256}")
         stored = None
         if self.mirror is not None and digest == self.mirror.sha256:
@@ -171,18 +152,16 @@ class SpooledUpload:
                 kind = req.WhichOneof("payload")
                 if kind == "model_chunk":
                     if phase != "model" or model is None:
-                        raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                             "model_chunk after calibration data, or with model.stored set")
+                        raise InvalidRequest("model_chunk after calibration data, or with model.stored set")
                     model.write(req.model_chunk)
                 elif kind == "calibration_chunk":
                     if calib is None:
-                        raise UploadRejected(
-                            grpc.StatusCode.INVALID_ARGUMENT,
+                        raise InvalidRequest(
                             "calibration_chunk without a calibration header (or with calibration.stored)")
                     phase = "calibration"
                     calib.write(req.calibration_chunk)
                 else:
-                    raise UploadRejected(grpc.StatusCode.INVALID_ARGUMENT, "only the first message may be a header")
+                    raise InvalidRequest("only the first message may be a header")
             return (model.finish() if model else None), (calib.finish() if calib else None)
         finally:
             for sink in (model, calib):

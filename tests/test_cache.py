@@ -13,7 +13,7 @@ import time
 import pytest
 
 from fxport.cache import CacheEntry, ResultCache, spec_digest
-from fxport.jobs import ArtifactRecord, InputRef
+from fxport.jobs import InputRef, StoredArtifact
 from fxport.spec import parse_spec
 from fxport.storage import FileStore, artifact_key
 from fxport.toolchain import job_fingerprint, local_toolchain
@@ -76,14 +76,14 @@ def test_engine_fingerprint_needs_tensorrt_and_the_gpu_model():
 
 
 def _cached_result(store: FileStore, tmp_path, cache: ResultCache, *, tenant: str = "t1", job: str = JOB,
-                   model: str = MODEL, size: int = 3 << 20) -> tuple[str, list[ArtifactRecord]]:
+                   model: str = MODEL, size: int = 3 << 20) -> tuple[str, list[StoredArtifact]]:
     arts = []
     for name in ("model.onnx", "manifest.json"):
         src = tmp_path / f"{job}-{name}"
         src.write_bytes(os.urandom(size if name == "model.onnx" else 100))
         k = artifact_key(tenant, job, name)
         stored = store.put_file(k, src)
-        arts.append(ArtifactRecord(name=name, format="onnx", key=k, bytes=stored.bytes, sha256=stored.sha256))
+        arts.append(StoredArtifact(name=name, format="onnx", key=k, bytes=stored.bytes, sha256=stored.sha256))
     spec = parse_spec({"targets": ["onnx"]})
     k = cache.key_for(tenant, model, None, spec, TOOLCHAIN)
     cache.remember(k, tenant=tenant, job_id=job, model=InputRef(sha256=model, bytes=10, key=f"{tenant}/inputs/{model}"),
@@ -162,7 +162,7 @@ def test_a_late_cancel_puts_back_the_entry_its_job_replaced(tmp_path):
     ref = InputRef(sha256=MODEL, bytes=10, key=f"t1/inputs/{MODEL}")
     cache.drop(k)  # start with no entry: only the artifacts of both jobs
 
-    def remember(job: str, arts: list[ArtifactRecord]):
+    def remember(job: str, arts: list[StoredArtifact]):
         return cache.remember(k, tenant="t1", job_id=job, model=ref, calibration=None, spec=spec,
                               toolchain=TOOLCHAIN, artifacts=arts)
 

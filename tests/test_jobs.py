@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
+from fxport.errors import ErrorRecord
 from fxport.jobs import (
     IdempotencyConflict,
     InputRef,
-    JobErrorInfo,
     JobRecord,
     JobState,
     RedisJobStore,
@@ -73,7 +73,7 @@ def test_events_are_sequenced_and_resumable(jobs):
     rec, _ = jobs.create(record())
     jobs.transition(rec.id, state=JobState.RUNNING, stage="load")
     jobs.transition(rec.id, stage="capture", progress=0.3)
-    jobs.transition(rec.id, state=JobState.FAILED, error=JobErrorInfo(stage="capture", code="capture_failed",
+    jobs.transition(rec.id, state=JobState.FAILED, error=ErrorRecord(stage="capture", code="capture_failed",
                                                                         message="no"))
     events = jobs.read_events(rec.id, 0)
     assert [e.seq for e in events] == [1, 2, 3, 4]
@@ -162,9 +162,9 @@ def test_job_ids_sort_by_time_and_tokens_roundtrip():
     a = new_job_id(1_000.0)
     b = new_job_id(1_000.002)
     assert a < b and len(a) == 26
-    from fxport.jobs import _encode_token
+    from fxport.jobs import encode_page_token
 
-    assert decode_page_token(_encode_token(a)) == a
+    assert decode_page_token(encode_page_token(a)) == a
 
 
 def test_fenced_updates_apply_only_to_their_attempt(jobs):
@@ -268,4 +268,22 @@ def test_in_flight_index_is_checked_against_the_records(redis_server):
         jobs.transition(queued, state=JobState.RUNNING)  # its next update enters it
         assert jobs.count_in_flight("t") == 1
     finally:
+        jobs.close()
+
+
+def test_an_unreachable_redis_is_retried_for_retry_s_then_raises():
+    """RedisJobStore's `retry_s` is a deadline (fxport/retry.py through fxport/jobs/redis_retry.py):
+    no try starts past it, and 0 means one try."""
+    import redis
+
+    from tests.fixtures.servers import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    for budget, at_least in ((0.0, 0.0), (1.5, 0.3)):
+        jobs = RedisJobStore(dead, retry_s=budget)
+        t0 = time.monotonic()
+        with pytest.raises(redis.ConnectionError):
+            jobs.get(new_job_id())
+        took = time.monotonic() - t0
+        assert at_least <= took <= budget + 0.5, (budget, took)
         jobs.close()

@@ -53,7 +53,7 @@ from tests.fixtures.servers import distributed_env, scaled, start_api, start_wor
 
 pytestmark = pytest.mark.slow
 
-FXPORT = [sys.executable, "-m", "fxport.client.cli"]
+FXPORT = [sys.executable, "-m", "fxport.cli"]
 BATCH = {"batch": {"min": 1, "opt": 2, "max": 4}}
 IMAGE = [{"name": "x", "shape": ["batch", 3, 32, 32], "dtype": "float32"}]
 REDIS_DB = 7  # the worker path's broker and job store (tests/security/test_isolation.py uses 1-4)

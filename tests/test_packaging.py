@@ -12,7 +12,8 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-MAPPING = {"fxport": "fxport", "service": "fxport.service", "workers": "fxport.workers", "client": "fxport.client"}
+MAPPING = {"fxport": "fxport", "service": "fxport.service", "workers": "fxport.workers", "client": "fxport.client",
+           "cli": "fxport.cli"}
 
 
 def test_every_package_folder_is_listed_in_pyproject() -> None:
@@ -39,7 +40,7 @@ def test_the_wheel_ships_the_proto_files_under_an_import_root(tmp_path) -> None:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    for top in ("fxport", "service", "workers", "client", "proto"):
+    for top in ("fxport", "service", "workers", "client", "cli", "proto"):
         shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__"))
     # setuptools' own build backend in this interpreter: no network, no isolated build env
     build = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
@@ -59,3 +60,8 @@ def test_the_wheel_ships_the_proto_files_under_an_import_root(tmp_path) -> None:
         include = Path(protoc.__file__).parent / "_proto"
         assert protoc.main(["protoc", f"-I{installed / 'fxport' / 'proto'}", f"-I{include}",
                             f"--descriptor_set_out={tmp_path / 'set.pb'}", rel]) == 0, rel
+    # the same package data mechanism ships report.html's templates (fxport/report/templates)
+    report = ROOT / "fxport" / "report"
+    templates = sorted(str(p.relative_to(report)) for p in (report / "templates").rglob("*") if p.is_file())
+    assert "templates/page.html.j2" in templates and "templates/sections/graph.html.j2" in templates
+    assert all((installed / "fxport" / "report" / t).read_bytes() == (report / t).read_bytes() for t in templates)

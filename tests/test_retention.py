@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from fxport.jobs import (
-    ArtifactRecord,
     InputAdmission,
     InputRef,
     JobRecord,
@@ -25,6 +24,7 @@ from fxport.jobs import (
     RedisJobStore,
     SharedArtifactsGone,
     SqliteJobStore,
+    StoredArtifact,
     job_id_time,
     new_job_id,
 )
@@ -51,7 +51,7 @@ class Backends:
             src = self.tmp / f"{job_id}-{name}"
             src.write_bytes(f"{job_id}/{name}".encode())
             obj = self.artifacts.put_file(artifact_key(tenant, job_id, name), src)
-            arts.append(ArtifactRecord(name=name, format="x", key=obj.key, bytes=obj.bytes, sha256=obj.sha256))
+            arts.append(StoredArtifact(name=name, format="x", key=obj.key, bytes=obj.bytes, sha256=obj.sha256))
         rec = _record(tenant, job_id, at, state=state, artifacts=arts, idem=idem)
         return self.jobs.create(rec)[0]
 
@@ -87,7 +87,7 @@ class Backends:
 
 
 def _record(tenant: str, job_id: str, at: float, *, state: JobState = JobState.SUCCEEDED,
-            artifacts: list[ArtifactRecord] | None = None, idem: str | None = None) -> JobRecord:
+            artifacts: list[StoredArtifact] | None = None, idem: str | None = None) -> JobRecord:
     done = state.terminal
     return JobRecord(id=job_id, tenant=tenant, state=state, spec={"targets": ["torchscript"]}, spec_digest="d" * 64,
                      model=InputRef(sha256="a" * 64, bytes=1, key=f"{tenant}/inputs/{'a' * 64}"),

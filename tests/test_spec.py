@@ -120,3 +120,31 @@ def test_a_long_value_is_quoted_short() -> None:
     with pytest.raises(SpecError) as info:
         parse_spec({"targets": ["t" * 100_000]})
     assert len(str(info.value)) < 1000 and "…" in str(info.value)
+
+
+# Golden digests: the spec digest names a job's request and the artifact digest is part of every
+# result-cache key. A change here (a new optional field that shows up in `normalized()`, a default
+# that moves) would silently miss every cached result and break idempotent resubmits of earlier
+# jobs: keep these values, or change them on purpose and say so in the release notes.
+GOLDEN_DIGESTS = [
+    ({}, "58f43d4e76ccd3537d3ca69e487b30379fa007f5b8ac06a9fb61832627b17826",
+     "e0ad45de9d8c43042cf4d26e80469b460d383888df9dcf4227f39c587d2441ba"),
+    ({"targets": ["onnx"], "inputs": [{"name": "x", "shape": ["batch", 3, 32, 32]}],
+      "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 8}}, "precision": "fp16", "labels": {"a": "b"}},
+     "f0337c4408a0f656c34ec3fcd84127136836726c0eba63f4a62c3bee7aae7300",
+     "251694f2bd0c6a65fc51ccea0c96aeb501d006917e9796f534210f6084b9fab5"),
+    ({"targets": ["onnx", "tensorrt"], "precision": "int8", "inputs": [{"name": "x", "shape": [1, 3, 8, 8]}]},
+     "a4eb2b3a1217a01110ebc47e015e4c7353dfba3f869fcc172810f2a04d59900a",
+     "8fa166d672d5de30ecf59359e67ce8002ffc10014fc92c5db9c5e823b9698304"),
+    ({"targets": ["torchscript"], "passes": ["fuse_conv_bn", {"name": "substitute_ops", "options": {}}],
+      "verify": {"samples": 3}, "benchmark": True},
+     "9b950b736423fc02bc575b0a55d165b248a6af9a514e16765d6ab4719309de36",
+     "78cdd68f4dcc09f1086ef2b3c2601b29e6c014371c5bb65861f630e963ad1ea6"),
+]
+
+
+@pytest.mark.parametrize(("data", "digest", "artifact_digest"), GOLDEN_DIGESTS, ids=range(len(GOLDEN_DIGESTS)))
+def test_spec_digests_are_stable(data, digest, artifact_digest):
+    spec = parse_spec(data)
+    assert spec.digest() == digest
+    assert spec.artifact_digest() == artifact_digest

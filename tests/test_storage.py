@@ -9,14 +9,14 @@ import urllib.request
 
 import pytest
 
-import fxport.storage
+import fxport.storage.s3_store
 from fxport.storage import (
     ArtifactStore,
     FileStore,
-    IntegrityError,
     InvalidKey,
     ObjectNotFound,
     S3Store,
+    StoredObjectCorrupt,
     artifact_key,
     input_key,
     job_prefix,
@@ -62,7 +62,7 @@ def test_put_get_roundtrip_records_sha256(store, tmp_path):
 def test_put_refuses_a_file_that_does_not_match_the_callers_digest(store, tmp_path):
     src = tmp_path / "m"
     src.write_bytes(b"model bytes")
-    with pytest.raises(IntegrityError):
+    with pytest.raises(StoredObjectCorrupt):
         store.put_file(input_key("default", SHA), src, sha256="0" * 64)
 
 
@@ -82,17 +82,17 @@ def test_a_snapshot_holds_the_bytes_its_digest_names_even_while_the_file_changes
     assert stored.sha256 == hashlib.sha256(src.read_bytes()).hexdigest() == store.head(key).sha256
     store.delete_object(key)
 
-    real = fxport.storage.sha256_file
+    real = fxport.storage.s3_store.sha256_file
 
     def hashed_then_rewritten(path):  # the sandbox writes on right after the digest was taken
         digest = real(path)
         path.write_bytes(os.urandom(6 << 20))
         return digest
 
-    monkeypatch.setattr(fxport.storage, "sha256_file", hashed_then_rewritten)
+    monkeypatch.setattr(fxport.storage.s3_store, "sha256_file", hashed_then_rewritten)
     try:
         stored = store.put_snapshot(key, src, spool_dir=tmp_path)
-    except IntegrityError:
+    except StoredObjectCorrupt:
         assert isinstance(store, S3Store) and store.head(key) is None
     else:
         assert isinstance(store, FileStore)
@@ -106,7 +106,7 @@ def test_get_detects_corruption(tmp_path):
     key = input_key("default", SHA)
     store.put_file(key, src)
     (tmp_path / "store" / "objects" / key).write_bytes(b"model bytez")  # bit rot
-    with pytest.raises(IntegrityError, match="corrupt"):
+    with pytest.raises(StoredObjectCorrupt, match="corrupt"):
         store.get(key, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -119,7 +119,7 @@ def test_s3_get_detects_an_object_overwritten_behind_our_back(s3_server, tmp_pat
     store.put_file(key, src)
     s3_server.client().put_object(Bucket=s3_server.bucket, Key="tamper/" + key, Body=b"evil bytes!",
                                   Metadata={"sha256": SHA})
-    with pytest.raises(IntegrityError):
+    with pytest.raises(StoredObjectCorrupt):
         store.get(key, tmp_path / "out")
 
 
@@ -240,7 +240,7 @@ def test_only_connection_failures_and_5xx_are_retried():
     from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import ClientError, EndpointConnectionError
 
-    from fxport.storage import _transient
+    from fxport.storage.s3_store import _transient
 
     def client_error(status: int, code: str) -> ClientError:
         return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
@@ -262,7 +262,7 @@ def test_a_request_body_that_shrinks_while_sent_fails_at_once(tmp_path) -> None:
     """S3Store.put_snapshot's body: a file rewritten shorter while it is sent (a sandboxed model
     rewriting its output during an early upload) raised nothing, sent fewer bytes than the
     request's Content-Length, and the store waited 60 s for the rest."""
-    from fxport.storage import IntegrityError, _Exactly
+    from fxport.storage.s3_store import _Exactly
 
     path = tmp_path / "model.onnx"
     path.write_bytes(b"x" * (256 << 10))
@@ -270,7 +270,7 @@ def test_a_request_body_that_shrinks_while_sent_fails_at_once(tmp_path) -> None:
         body = _Exactly(f, 256 << 10, path)
         assert body.read(64 << 10) == b"x" * (64 << 10)
         path.write_bytes(b"TAMPERED")  # truncated beneath the open file, past what was buffered
-        with pytest.raises(IntegrityError, match="changed while it was being stored"):
+        with pytest.raises(StoredObjectCorrupt, match="changed while it was being stored"):
             body.read(192 << 10)
     with path.open("rb") as f:
         body = _Exactly(f, 8, path)

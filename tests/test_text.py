@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fxport.errors import ConversionFailed, SpecError
-from fxport.jobs import JobErrorInfo
-from fxport.manifest import ErrorRecord
+from fxport.errors import ConversionFailed, ErrorRecord, SpecError
 from fxport.text import CAUSES_KEPT, cause_chain, printable, short_repr
 
 HOSTILE = [
@@ -88,7 +86,7 @@ def test_records_strip_whatever_wrote_them() -> None:
     forged = {"stage": "export", "code": "x\x1b[2J", "message": "\x1b]52;c;aGk=\x07boom", "detail": "a\x1b[31mb"}
     assert ErrorRecord.model_validate(forged).model_dump() == {"stage": "export", "code": "x", "message": "boom",
                                                               "detail": "ab", "field": None}
-    assert JobErrorInfo(message="\x9b2Jdone", detail="\x1b[1Aup").model_dump()["message"] == "done"
+    assert ErrorRecord(message="\x9b2Jdone", detail="\x1b[1Aup").model_dump()["message"] == "done"
 
 
 def test_spec_errors_are_bounded() -> None:

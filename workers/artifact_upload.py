@@ -1,4 +1,4 @@
-"""Upload a job's artifacts while its verification still runs (DESIGN.md §8).
+"""Upload a job's artifacts while its verification still runs (docs/architecture.md, "Speed").
 
 The engine writes the artifacts one after another during `export` and then spends seconds
 verifying them; the manifest records each artifact's sha256 as export leaves it. So each time

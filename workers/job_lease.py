@@ -1,4 +1,4 @@
-"""The lease a worker holds on a job while it runs it (DESIGN.md §7, deploy/README.md "Reliability").
+"""The lease a worker holds on a job while it runs it (deploy/README.md, "Reliability").
 
 At-least-once delivery hands a job to a second worker when the broker believes the first
 is gone (a redelivery after the visibility timeout, a requeue after a soft shutdown). The

@@ -1,5 +1,5 @@
 """The job function: ids in, artifacts under deterministic keys out. Shared by the Celery
-tasks (workers/tasks.py) and the embedded worker pool (service/embedded.py).
+tasks (workers/tasks.py) and the embedded worker pool (workers/embedded.py).
 
 `execute_job(job_id, ctx)`:
   fetch inputs to a temp dir → run the engine in its sandbox (workers/sandbox/) →
@@ -30,23 +30,25 @@ from typing import Any, cast
 from fxport import tracing
 from fxport.cache import Remembered, forget_job_result, remember_job_result
 from fxport.config import Settings
-from fxport.errors import FxportError, InvalidInput, JobCancelled, ResourceLimitExceeded
-from fxport.jobs import ArtifactRecord, InputRef, JobErrorInfo, JobRecord, JobState, JobStore
+from fxport.errors import ErrorRecord, FxportError, InvalidInput, JobCancelled, ResourceLimitExceeded
+from fxport.jobs import InputRef, JobRecord, JobState, JobStore, StoredArtifact
 from fxport.logs import job_context
 from fxport.manifest import Manifest
+from fxport.manifest_sections import TensorRT
 from fxport.metrics import job_running
 from fxport.spec import JobSpec, parse_spec
 from fxport.storage import (
     ArtifactStore,
-    IntegrityError,
     StorageError,
     StoredObject,
+    StoredObjectCorrupt,
     artifact_key,
     check_artifact_name,
     job_prefix,
 )
 from fxport.toolchain import local_toolchain
 from fxport.workers.artifact_upload import LATE_FILES, EarlyUpload
+from fxport.workers.engine.exporters.registry import TENSORRT_STAGE, later_stage, later_targets
 from fxport.workers.engine.request import EngineRequest, TimingCachePaths, cpu_stage
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ CANCEL_POLL_S = 0.5
 PROGRESS_EVERY_S = 0.25  # progress events within one stage, at most this often per job
 MESSAGES_PER_STAGE = 8  # …except a stage's first few distinct messages ("[export] torchscript"), recorded at once
 _KEEP_ON_FAILURE = ("manifest.json", "report.html")  # what a failed job still publishes
-ENGINE_ONNX = ("model.tensorrt.onnx", "model.onnx")  # what the GPU stage builds from, in order of preference
+ENGINE_ONNX = TENSORRT_STAGE.source_paths  # what the GPU stage builds from, in order of preference
 
 
 class RetryLater(Exception):
@@ -74,9 +76,9 @@ class WorkerContext:
     # tensorrt stage says on its record while it waits (workers/queue_consumers.py).
     gpu_workers: Callable[[], bool | None] | None = None
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    # Runs one conversion: (request, on_progress=, cancel_event=, work_parent=) → manifest.
+    # Runs one conversion: (request, on_progress=, cancel_event=, work_parent=) → Manifest.
     # Default: the sandboxed run_engine_job; tests give a stand-in.
-    engine: Callable[..., dict[str, Any]] | None = None
+    engine: Callable[..., Manifest] | None = None
     # Set by the embedded pool when the server stops: an interrupted job is left as it is
     # (RUNNING) to be re-run on the next start, not recorded as failed.
     stopping: threading.Event = field(default_factory=threading.Event)
@@ -85,12 +87,14 @@ class WorkerContext:
     lease_s: float | None = None
 
     def run_engine(self, request: EngineRequest, *, on_progress: Callable[[dict[str, Any]], None],
-                   cancel_event: threading.Event | None = None, work_parent: Path | None = None) -> dict[str, Any]:
+                   cancel_event: threading.Event | None = None, work_parent: Path | None = None) -> Manifest:
         engine = self.engine
         if engine is None:
             from fxport.workers.sandbox import run_engine_job
 
-            engine = run_engine_job
+            # the sandbox loads this worker's custom op libraries before the model (FXPORT_OP_LIBRARIES)
+            return run_engine_job(request, on_progress=on_progress, cancel_event=cancel_event,
+                                  work_parent=work_parent, op_libraries=self.settings.op_libraries)
         return engine(request, on_progress=on_progress, cancel_event=cancel_event, work_parent=work_parent)
 
 
@@ -106,13 +110,13 @@ def artifact_format(name: str, manifest_formats: dict[str, str]) -> str:
     for target in REGISTRY.values():
         if name == target.path or name.startswith(target.path + "/") or (target.onnx and name == target.path + ".data"):
             return target.name
-    return "tensorrt" if name.endswith(".engine") else "file"
+    return "file"
 
 
 def upload_outputs(
-    ctx: WorkerContext, rec: JobRecord, out_dir: Path, manifest: dict[str, Any] | None,
+    ctx: WorkerContext, rec: JobRecord, out_dir: Path, manifest: Manifest | None,
     only: tuple[str, ...] | None = None, early: dict[str, StoredObject] | None = None,
-) -> list[ArtifactRecord]:
+) -> list[StoredArtifact]:
     """Upload what `manifest` lists (its artifacts, plus manifest.json and report.html, which the
     worker wrote), or the names in `only`; nothing else the child left in out_dir is read.
 
@@ -125,9 +129,9 @@ def upload_outputs(
     from fxport.digest import sha256_file
     from fxport.workers.sandbox import beneath
 
-    formats = {a.get("path"): a.get("format") for a in (manifest or {}).get("artifacts", []) if a.get("path")}
-    validated = ({a.get("path"): a.get("sha256") for a in (manifest or {}).get("artifacts", [])}
-                 if ctx.engine is None else {})
+    listed = manifest.artifacts if manifest is not None else []
+    formats = {a.path: a.format for a in listed if a.path}
+    validated = {a.path: a.sha256 for a in listed} if ctx.engine is None else {}
     early = dict(early or {})
     if only is None:
         only = (*formats, *LATE_FILES)
@@ -147,13 +151,13 @@ def upload_outputs(
             todo = [(f.name, artifact_key(rec.tenant, rec.id, check_artifact_name(f.name)), f, early.pop(f.name, None))
                     for f in files]
 
-            def store(item: tuple[str, str, beneath.OutputFile, StoredObject | None]) -> ArtifactRecord:
+            def store(item: tuple[str, str, beneath.OutputFile, StoredObject | None]) -> StoredArtifact:
                 name, key, f, before = item
                 if before is not None and before.sha256 == (validated.get(name) or sha256_file(f.path)[0]):
                     stored = before
                 else:
                     stored = ctx.artifacts.put_file(key, f.path)
-                return ArtifactRecord(name=name, format=artifact_format(name, formats), key=key,
+                return StoredArtifact(name=name, format=artifact_format(name, formats), key=key,
                                       bytes=stored.bytes, sha256=stored.sha256)
 
             # A few objects at once: each is mostly a round trip to the store.
@@ -249,10 +253,10 @@ def execute_job(job_id: str, ctx: WorkerContext, *, final_attempt: bool = True,
 
 
 def _fail(ctx: WorkerContext, job_id: str, stage: str | None, code: str, message: str,
-          detail: str | None = None, artifacts: list[ArtifactRecord] | None = None) -> JobRecord | None:
+          detail: str | None = None, artifacts: list[StoredArtifact] | None = None) -> JobRecord | None:
     rec, _ = ctx.jobs.transition(
         job_id, state=JobState.FAILED,
-        error=JobErrorInfo(stage=stage, code=code, message=message, detail=detail),
+        error=ErrorRecord(stage=stage, code=code, message=message, detail=detail),
         artifacts=artifacts, message=message,
     )
     log.info("job failed", extra={"stage": stage, "code": code})
@@ -266,7 +270,7 @@ def fetch_input(ctx: WorkerContext, ref: InputRef, dest: Path, what: str) -> Non
     invalid input: retrying would only read the same bytes."""
     try:
         ctx.artifacts.get(ref.key, dest)
-    except IntegrityError as exc:
+    except StoredObjectCorrupt as exc:
         try:
             ctx.artifacts.delete_object(ref.key)
         except StorageError as gone:
@@ -278,7 +282,7 @@ def fetch_input(ctx: WorkerContext, ref: InputRef, dest: Path, what: str) -> Non
 def _announce_staged(ctx: WorkerContext, job_id: str, name: str, stored: StoredObject) -> None:
     """An artifact went up while the engine works on: the client may fetch it already
     (JobRecord.staged); it keeps the copy only if the verified result lists the same sha256."""
-    ctx.jobs.transition(job_id, staged=ArtifactRecord(name=name, format=artifact_format(name, {}), key=stored.key,
+    ctx.jobs.transition(job_id, staged=StoredArtifact(name=name, format=artifact_format(name, {}), key=stored.key,
                                                       bytes=stored.bytes, sha256=stored.sha256))
 
 
@@ -305,7 +309,7 @@ def _run_attempt(ctx: WorkerContext, rec: JobRecord, final_attempt: bool, spans:
     job_id = rec.id
     spans.enter("load")  # fetching the inputs, then the engine's own load
     # The CPU part makes every other artifact and the ONNX model the GPU stage builds an engine from.
-    spec, deferred = cpu_stage(parse_spec(rec.spec))
+    spec, deferred = cpu_stage(rec.spec)
     spec, clamped = clamp_limits(spec, ctx.settings)
     if clamped:
         ctx.jobs.transition(job_id, message="; ".join(clamped))
@@ -359,10 +363,11 @@ def _run_attempt(ctx: WorkerContext, rec: JobRecord, final_attempt: bool, spans:
             return _failure_from(ctx, rec, exc, progress.stage, out_dir)
     # A model built from its eager form (no graph could be captured) has no ONNX graph to build an
     # engine from: the CPU stage already recorded tensorrt among its failed targets.
-    not_built = {f.get("target") for f in (manifest or {}).get("failed_targets", [])}
-    if deferred and "tensorrt" not in not_built:
+    not_built = {f.target for f in manifest.failed_targets} if manifest is not None else set()
+    if any(target not in not_built for target in deferred):
         return _hand_to_gpu_stage(ctx, rec, artifacts)
-    return _succeed(ctx, rec, artifacts)
+    # Failed targets reach here only with the spec's allow_partial (the engine fails the job otherwise).
+    return _succeed(ctx, rec, artifacts, not_built=sorted(not_built))
 
 
 def _start_attempt(ctx: WorkerContext, job_id: str) -> tuple[JobRecord | None, bool]:
@@ -438,7 +443,7 @@ def _fetch_inputs(ctx: WorkerContext, rec: JobRecord, folder: Path) -> tuple[Pat
     return model_path, calibration_path
 
 
-def _hand_to_gpu_stage(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord]) -> JobRecord | None:
+def _hand_to_gpu_stage(ctx: WorkerContext, rec: JobRecord, artifacts: list[StoredArtifact]) -> JobRecord | None:
     """Back to QUEUED until a GPU worker takes the tensorrt stage; the record says whether one exists."""
     from fxport.workers.queue_consumers import waiting_message
 
@@ -452,10 +457,16 @@ def _hand_to_gpu_stage(ctx: WorkerContext, rec: JobRecord, artifacts: list[Artif
     return after
 
 
-def _succeed(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord]) -> JobRecord | None:
+def _succeed(ctx: WorkerContext, rec: JobRecord, artifacts: list[StoredArtifact],
+             not_built: list[str] | None = None) -> JobRecord | None:
+    """SUCCEEDED with `artifacts`. `not_built`: the failed targets a job with allow_partial accepted;
+    such a result is not cached (the cache key leaves allow_partial out, so a job without it, which
+    must fail, would be answered with it)."""
     # The cache entry goes first: a client told SUCCEEDED may resubmit at once and must hit.
-    cached = _remember(ctx, rec, artifacts, local_toolchain())
-    after, changed = ctx.jobs.transition(rec.id, state=JobState.SUCCEEDED, artifacts=artifacts, message="done")
+    cached = None if not_built else _remember(ctx, rec, artifacts,
+                                              local_toolchain(op_libraries=ctx.settings.op_libraries))
+    message = f"done, without {', '.join(not_built)} (allow_partial; see failed_targets)" if not_built else "done"
+    after, changed = ctx.jobs.transition(rec.id, state=JobState.SUCCEEDED, artifacts=artifacts, message=message)
     if not changed:
         forget_job_result(ctx.artifacts, cached)
     if not changed and after is not None and after.state is JobState.CANCELLED:
@@ -464,7 +475,7 @@ def _succeed(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord]
     return after
 
 
-def _remember(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord],
+def _remember(ctx: WorkerContext, rec: JobRecord, artifacts: list[StoredArtifact],
               cpu_toolchain: dict[str, Any] | None) -> Remembered | None:
     """Write the result cache entry of a job about to be SUCCEEDED with `artifacts`, keyed with
     the toolchain that made them. Returns what was written (None: not cached)."""
@@ -472,7 +483,7 @@ def _remember(ctx: WorkerContext, rec: JobRecord, artifacts: list[ArtifactRecord
 
     if not ctx.settings.cache_enabled:
         return None
-    engine = "tensorrt" in rec.spec.get("targets", ())
+    engine = bool(later_targets(rec.spec.targets))
     fingerprint = job_fingerprint(cpu_toolchain, local_toolchain(gpu=True) if engine else None, engine=engine)
     return remember_job_result(ctx.artifacts, ctx.settings, rec.model_copy(update={"artifacts": artifacts}),
                                fingerprint)
@@ -496,12 +507,13 @@ def _cancelled_cleanup(ctx: WorkerContext, rec: JobRecord) -> JobRecord | None:
 
 
 def _failure_from(ctx: WorkerContext, rec: JobRecord, exc: Exception, stage: str, out_dir: Path) -> JobRecord | None:
-    kept: list[ArtifactRecord] = []
+    kept: list[StoredArtifact] = []
     try:
         # After a verification failure the manifest (and report) say which output differs and by how much.
         kept = upload_outputs(ctx, rec, out_dir, None, only=_KEEP_ON_FAILURE)
     except Exception as upload_exc:
         log.warning("could not upload the failed job's manifest: %s", upload_exc)
+    _drop_unkept(ctx, rec, kept)
     if isinstance(exc, FxportError):
         return _fail(ctx, rec.id, exc.stage or stage, exc.code, str(exc), exc.detail, kept)
     if past_soft_time_limit(exc):
@@ -511,11 +523,23 @@ def _failure_from(ctx: WorkerContext, rec: JobRecord, exc: Exception, stage: str
                  "".join(traceback.format_exception(exc))[-4000:], kept)
 
 
+def _drop_unkept(ctx: WorkerContext, rec: JobRecord, kept: list[StoredArtifact]) -> None:
+    """A failed job stores no model file (README, "What a conversion does"): what an earlier stage
+    stored (the CPU stage's artifacts, when the engine build fails) or an upload cut short left goes."""
+    keep = {a.key for a in kept} | {artifact_key(rec.tenant, rec.id, name) for name in _KEEP_ON_FAILURE}
+    try:
+        for stored in ctx.artifacts.list_prefix(job_prefix(rec.tenant, rec.id)):
+            if stored.key not in keep:
+                ctx.artifacts.delete_object(stored.key)
+    except StorageError as exc:
+        log.warning("could not remove the failed job's artifacts: %s", exc)
+
+
 def execute_stage(stage: str, job_id: str, ctx: WorkerContext, *, final_attempt: bool = True) -> JobRecord | None:
-    """A later stage of a job, run as its own task. Only `tensorrt` (queue "gpu") exists."""
-    if stage != "tensorrt":
-        raise ValueError(f"unknown stage {stage!r}")
-    with job_context(job_id), job_running("gpu"):
+    """A later stage of a job (a registry target's `later`), run as its own task. Only `tensorrt` (queue
+    "gpu") exists."""
+    queue = later_stage(stage).queue  # ValueError for a stage that is no registry target's
+    with job_context(job_id), job_running(queue):
         rec = ctx.jobs.get(job_id)
         if not tracing.enabled():
             tracing.configure_once(ctx.settings.otlp_endpoint, "fxport-worker")
@@ -539,7 +563,7 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
         return _fail(ctx, job_id, "tensorrt", "missing_input",
                      "the TensorRT stage found no model.onnx from the CPU stage")
     onnx = earlier[onnx_name]
-    spec, _ = clamp_limits(parse_spec({**rec.spec, "targets": ["tensorrt"]}), ctx.settings)
+    spec, _ = clamp_limits(rec.spec.model_copy(update={"targets": ["tensorrt"]}), ctx.settings)
     with tempfile.TemporaryDirectory(prefix=f"fxport-trt-{job_id}-", dir=ctx.settings.work_dir) as tmp_str:
         tmp = Path(tmp_str)
         out_dir = tmp / "out"
@@ -573,17 +597,17 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
                 timeout_s=min(spec.limits.timeout_s, ctx.settings.job_soft_time_limit_s),
                 max_output_bytes=ctx.settings.max_job_output_bytes,
                 timing_cache=TimingCachePaths(read=cache.path, write=cache.path) if cache is not None else None)
-            trt_manifest = ctx.run_engine(request, on_progress=on_progress, work_parent=tmp)
-            stage = Manifest.model_validate(trt_manifest)
+            stage = ctx.run_engine(request, on_progress=on_progress, work_parent=tmp)
             if cache is not None:  # written back under the same key, if the build added timings
-                stage.tensorrt = {**(stage.tensorrt or {}),
-                                  "shared_timing_cache": publish_shared_cache(ctx.artifacts, cache)}
+                stage.tensorrt = TensorRT.model_validate({**(stage.tensorrt or {}),
+                                                          "shared_timing_cache": publish_shared_cache(ctx.artifacts,
+                                                                                                      cache)})
                 stage.warnings.extend(cache.warnings)
             merged = cpu_manifest.merge_stage(stage, name="tensorrt") if cpu_manifest is not None else stage
             with beneath.opened_dir(out_dir) as out_fd:
                 beneath.replace_file(out_fd, "manifest.json", merged.to_json().encode())
             _rewrite_report(out_dir / "manifest.json")
-            new = {a.name: a for a in upload_outputs(ctx, rec, out_dir, trt_manifest)}
+            new = {a.name: a for a in upload_outputs(ctx, rec, out_dir, stage)}
         except StorageError as exc:
             if not final_attempt:
                 raise RetryLater(str(exc)) from exc
@@ -643,7 +667,7 @@ def _rewrite_report(manifest_path: Path) -> None:
     draw_report(manifest_path.parent)
 
 
-def _stored_manifest(ctx: WorkerContext, art: ArtifactRecord | None, path: Path) -> Manifest | None:
+def _stored_manifest(ctx: WorkerContext, art: StoredArtifact | None, path: Path) -> Manifest | None:
     if art is None:
         return None
     ctx.artifacts.get(art.key, path)

@@ -10,14 +10,9 @@ from typing import Any, cast
 from celery import signals
 
 from fxport.config import Settings
-from fxport.workers.celery_app import (
-    BUILD_TENSORRT,
-    RUN_JOB,
-    STAGE_TASKS,
-    MessageVisibility,
-    app,
-    message_kept_visible,
-)
+from fxport.retry import Backoff
+from fxport.task_queue import BUILD_TENSORRT, RUN_JOB, STAGE_TASKS
+from fxport.workers.celery_app import MessageVisibility, app, message_kept_visible
 from fxport.workers.job_lease import LeaseHeld
 from fxport.workers.jobs import (
     RetryLater,
@@ -146,6 +141,11 @@ def _setup_logging(**_: Any) -> None:
     configure_logging(s.log_level, s.log_format)
 
 
+# A task the store failed for a moment comes back as a new delivery after 2, 4, 8 ... s (at most a
+# minute), jittered so that jobs failing together do not return together (fxport/retry.py).
+REDELIVERY = Backoff(first_s=1.0, max_s=60.0)
+
+
 @app.task(name=RUN_JOB, bind=True, max_retries=MAX_RETRIES)
 def run_job(self: Any, job_id: str) -> None:
     # The object store's own retry budget (Settings.store_retry_s) is the job's: past it the
@@ -158,7 +158,7 @@ def run_job(self: Any, job_id: str) -> None:
         log.info("%s", held, extra={"job_id": job_id})
         app.send_task(RUN_JOB, args=[job_id], task_id=self.request.id, countdown=held.retry_in_s)
     except RetryLater as exc:
-        raise self.retry(exc=exc, countdown=min(60, 2 ** (self.request.retries + 1))) from exc
+        raise self.retry(exc=exc, countdown=REDELIVERY.pause(self.request.retries + 2)) from exc
 
 
 @app.task(name=BUILD_TENSORRT, bind=True, max_retries=MAX_RETRIES)
@@ -169,7 +169,7 @@ def build_tensorrt(self: Any, job_id: str) -> None:
         with message_kept_visible(app, self.request.id, ctx.settings.visibility_timeout_s / 4):
             execute_stage("tensorrt", job_id, ctx, final_attempt=self.request.retries >= MAX_RETRIES)
     except RetryLater as exc:
-        raise self.retry(exc=exc, countdown=min(60, 2 ** (self.request.retries + 1))) from exc
+        raise self.retry(exc=exc, countdown=REDELIVERY.pause(self.request.retries + 2)) from exc
 
 
 @signals.task_failure.connect
@@ -182,7 +182,8 @@ def _record_task_failure(sender: Any = None, exception: BaseException | None = N
         return
     from celery.exceptions import TimeLimitExceeded
 
-    from fxport.jobs import JobErrorInfo, JobState
+    from fxport.errors import ErrorRecord
+    from fxport.jobs import JobState
 
     job_id = args[0]
     if _is_broker_outage(exception):
@@ -195,15 +196,15 @@ def _record_task_failure(sender: Any = None, exception: BaseException | None = N
         if rec is None or rec.terminal:
             return
         if past_soft_time_limit(exception):  # raised outside the job's own handler
-            error = JobErrorInfo(stage=rec.stage, code="timeout",
+            error = ErrorRecord(stage=rec.stage, code="timeout",
                                  message=soft_time_limit_message(context().settings, rec.stage))
         elif isinstance(exception, TimeLimitExceeded):
             limit = context().settings.job_hard_time_limit_s
-            error = JobErrorInfo(stage=rec.stage, code="timeout",
+            error = ErrorRecord(stage=rec.stage, code="timeout",
                                  message=f"the job ran past the worker's hard time limit ({limit} s) during "
                                          f"{rec.stage}; its worker process was killed")
         else:
-            error = JobErrorInfo(stage=rec.stage, code="internal",
+            error = ErrorRecord(stage=rec.stage, code="internal",
                                  message=f"the worker task failed: {type(exception).__name__}: {exception}")
         jobs.transition(job_id, state=JobState.FAILED, error=error, message=error.message)
     except Exception:

@@ -67,7 +67,7 @@ def model_card(manifest: Manifest, package: TritonPackage) -> str:
                   "model's outputs for them (`outputs/<tensor>`), under the names that model serves. They are "
                   "the first input verification checked each artifact with, so each model reproduces them "
                   "within the rule above.", ""]
-    bench = manifest.benchmark or {}
+    bench = manifest.benchmark.as_dict() if manifest.benchmark else {}
     if bench.get("results"):
         lines += ["## Benchmark", "", f"On {((bench.get('machine') or {}).get('cpu')) or 'the worker'}:", ""]
         lines += _table(["artifact", "batch", "p50 ms", "p95 ms", "throughput /s"],

@@ -125,7 +125,8 @@ def plan_repository(job_dir: Path, manifest: Manifest, name: str) -> TritonPacka
     package = TritonPackage(name=name)
     package.notes.extend(_batch_notes(sig))
     verdicts = {v.format: v.verdict or ("passed" if v.passed else "failed") for v in manifest.verification}
-    recommended = ((manifest.benchmark or {}).get("recommendation") or {}).get("artifact")
+    pick = manifest.benchmark.recommendation if manifest.benchmark else None
+    recommended = pick.artifact if pick else None
     samples = (job_dir / SAMPLES).is_file()
     for art in manifest.artifacts:
         backend = BACKENDS.get(art.format)
@@ -259,7 +260,7 @@ def _tensors(kind: str, tensors: list[TensorSignature], names: list[str], batche
 
 
 def _preferred_batches(manifest: Manifest, fmt: str, max_batch: int) -> list[int]:
-    rows = [r for r in (manifest.benchmark or {}).get("results", [])
+    rows = [r for r in (manifest.benchmark.as_dict()["results"] if manifest.benchmark else [])
             if r.get("artifact") == fmt and r.get("verified") and r.get("throughput_per_s")
             and 1 <= int(r.get("batch", 0)) <= max_batch]
     if not rows:

@@ -140,16 +140,18 @@ class Artifact(_message.Message):
     def __init__(self, name: _Optional[str] = ..., format: _Optional[str] = ..., key: _Optional[str] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class JobError(_message.Message):
-    __slots__ = ("stage", "code", "message", "detail")
+    __slots__ = ("stage", "code", "message", "detail", "field")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
     stage: str
     code: str
     message: str
     detail: str
-    def __init__(self, stage: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    field: str
+    def __init__(self, stage: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., detail: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class StageTiming(_message.Message):
     __slots__ = ("stage", "started_at", "finished_at")

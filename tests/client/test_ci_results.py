@@ -27,7 +27,7 @@ from fxport.results import ArtifactResult, Check, JobResult, result_schema
 from tests.fixtures.servers import scaled
 
 REPO = Path(__file__).resolve().parents[2]
-FXPORT = [sys.executable, "-m", "fxport.client.cli"]
+FXPORT = [sys.executable, "-m", "fxport.cli"]
 SPEC = {"targets": ["onnx", "torchscript"], "verify": {"samples": 2}, "labels": {"team": "ci"}}
 REDIS_DB = 8  # no other test uses it: no worker reads its queue
 
@@ -142,7 +142,8 @@ def test_a_mismatch_is_a_junit_failure_with_the_numbers(tiny_pt2, tmp_path):
     doc = json.loads(proc.stdout)
     jsonschema.validate(doc, result_schema())
     assert doc["command"] == "convert" and doc["state"] == "FAILED" and doc["error"]["code"] == "verification_failed"
-    onnx = next(a for a in doc["artifacts"] if a["path"] == "model.onnx")
+    assert doc["artifacts"] == [] and not (tmp_path / "out" / "model.onnx").exists()  # a failed job keeps none...
+    onnx = next(a for a in doc["withdrawn"] if a["path"] == "model.onnx")  # ...and lists what it built
     assert onnx["verdict"] == "failed" and onnx["checks"][0]["allowed"]["atol"] == pytest.approx(1e-9)
     failure = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite").find("testcase").find("failure")
     assert "max |diff|" in failure.get("message") and "atol 1e-09" in failure.get("message")

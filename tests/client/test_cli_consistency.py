@@ -16,7 +16,7 @@ import pytest
 
 from tests.client.packaged import UNTRACEABLE, package_model
 
-FXPORT = [sys.executable, "-m", "fxport.client.cli"]
+FXPORT = [sys.executable, "-m", "fxport.cli"]
 
 
 def fxport(*args: str, cwd: Path, columns: int = 200) -> subprocess.CompletedProcess[str]:
@@ -50,9 +50,11 @@ needs_no_tensorrt = pytest.mark.skipif(_no_engine_here() is None,
 # ---------------------------------------------------------------------------------------
 
 
-def test_a_spec_error_names_the_command_that_ran(tmp_path: Path) -> None:
+def test_a_spec_error_names_the_command_that_ran(embedded_server, tmp_path: Path) -> None:
     """A spec error is raised with stage "submit" (the request's validation); `convert` said
-    "error during submit" for it. Each command now names itself, with the same JSON error document."""
+    "error during submit" for it. Each command now names itself, with the same JSON error document:
+    `convert` checks the spec itself, `submit` hears it from the server (CheckUpload checks the spec
+    before a byte of the model moves), with the same field violations."""
     model = tmp_path / "model.pt2"
     model.write_bytes(b"never read: the spec is refused first")
     proc = fxport("convert", str(model), "--pass", "fuse_everything", "--out", str(tmp_path / "o"), cwd=tmp_path)
@@ -62,8 +64,7 @@ def test_a_spec_error_names_the_command_that_ran(tmp_path: Path) -> None:
 
     docs = {}
     for command in ("convert", "submit"):
-        # submit: refused locally before it connects (nothing listens on port 1)
-        extra = ("--server", "127.0.0.1:1") if command == "submit" else ("--out", str(tmp_path / "o"))
+        extra = ("--server", embedded_server.address) if command == "submit" else ("--out", str(tmp_path / "o"))
         proc = fxport(command, str(model), "--pass", "fuse_everything", *extra, "--json", cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith(f"fxport {command}: error: invalid job spec"), proc.stderr

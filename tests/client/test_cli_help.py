@@ -9,7 +9,7 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from fxport.client.cli import app
+from fxport.cli import app
 
 
 def _commands(group: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fxport.client import Client, FxportError, IntegrityError
-from fxport.client.client import _safe_relative
+from fxport.client.downloads import safe_relative
 from tests.fixtures.servers import free_port, start_api
 
 
@@ -60,7 +60,7 @@ def test_download_refuses_a_tampered_artifact(embedded_server, tiny_pt2, tmp_pat
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../../b", "", "a//b", "a\\b"])
 def test_unsafe_artifact_names_from_a_server_are_refused(name):
     with pytest.raises(IntegrityError):
-        _safe_relative(name)
+        safe_relative(name)
 
 
 def test_submit_missing_file_is_invalid_input(tmp_path):

@@ -15,7 +15,7 @@ from tests.client.packaged import TRACEABLE, package_model
 from tests.models import get
 from tests.workers.engine.conftest import save_pt2
 
-FXPORT = [sys.executable, "-m", "fxport.client.cli"]
+FXPORT = [sys.executable, "-m", "fxport.cli"]
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

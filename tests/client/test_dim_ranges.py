@@ -16,7 +16,7 @@ import pytest
 
 from tests.fixtures.servers import scaled
 
-FXPORT = [sys.executable, "-m", "fxport.client.cli"]
+FXPORT = [sys.executable, "-m", "fxport.cli"]
 
 
 @pytest.fixture(scope="module")

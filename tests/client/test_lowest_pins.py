@@ -45,7 +45,8 @@ def other_base_dependencies() -> list[str]:
 @pytest.fixture(scope="module")
 def low_python(tmp_path_factory) -> Path:
     """A venv with the lowest pins and the client's source on its path (the package folders mapped
-    as pyproject.toml maps them: fxport/, client/ as fxport.client), without the engine or server."""
+    as pyproject.toml maps them: fxport/, client/ as fxport.client, cli/ as fxport.cli), without the engine
+    or server."""
     python = client_venv(tmp_path_factory.mktemp("lowest-pins"))
     pins = [f"{name}=={version}" for name, version in lower_bounds().items()]
     proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
@@ -87,7 +88,7 @@ print(json.dumps({{"state": job.state, "downloaded": sorted(p.name for p in job.
     assert doc["missing"] == "JobNotFound"  # a gRPC status mapped to the client's error
 
     # the CLI too: a spec error refused by name, before any upload
-    cli = subprocess.run([str(low_python), "-m", "fxport.client.cli", "submit", str(tiny_pt2), "--target", "nope",
+    cli = subprocess.run([str(low_python), "-m", "fxport.cli", "submit", str(tiny_pt2), "--target", "nope",
                           "--server", embedded_server.address, "--json"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""},
                          cwd=tmp_path)

@@ -7,8 +7,8 @@ from typing import Any
 
 from rich.console import Console
 
-from fxport.client import JobEvent
-from fxport.client.progress import StageProgress
+from fxport.cli.progress import StageProgress
+from fxport.client import ProgressEvent
 
 
 def _plain() -> tuple[Console, io.StringIO]:
@@ -16,8 +16,8 @@ def _plain() -> tuple[Console, io.StringIO]:
     return Console(file=buf, force_terminal=False, width=200, highlight=False), buf
 
 
-def _job(state: str, stage: str = "", progress: float = 0.0, message: str = "") -> JobEvent:
-    return JobEvent(seq=0, job_id="j", state=state, stage=stage, progress=progress, message=message, time=None)
+def _job(state: str, stage: str = "", progress: float = 0.0, message: str = "") -> ProgressEvent:
+    return ProgressEvent(seq=0, job_id="j", state=state, stage=stage, progress=progress, message=message, time=None)
 
 
 def _engine(stage: str, progress: float, message: str = "") -> dict[str, Any]:

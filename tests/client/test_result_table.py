@@ -1,4 +1,4 @@
-"""The CLI's artifact table (client/result_table.py), from a manifest: a pure rendering."""
+"""The CLI's artifact table (cli/result_table.py), from a manifest: a pure rendering."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from fxport.client.result_table import render_manifest
+from fxport.cli.result_table import render_manifest
 
 
 def test_a_folder_artifact_shows_its_file_count_not_one_files_digest():

@@ -1,4 +1,4 @@
-"""The spec's command-line flags are one definition (client/spec_options.py): `fxport convert` and
+"""The spec's command-line flags are one definition (cli/spec_options.py): `fxport convert` and
 `fxport submit` take the same ones, and a flag's value reaches the spec or is refused naming the flag."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from fxport.client.cli import app
-from fxport.client.spec_options import CAPTURE_METHODS, SpecFlags, spec_parameters
+from fxport.cli import app
+from fxport.cli.spec_options import CAPTURE_METHODS, SpecFlags, spec_parameters
 from fxport.errors import InvalidInput
 from fxport.spec import parse_spec
 

@@ -53,7 +53,7 @@ def test_submit_out_of_a_model_that_fails_to_load_exits_2_with_its_manifest_and_
     junk.write_bytes(b"not a model at all")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "fxport.client.cli", "submit", str(junk), "--target", "onnx",
+        [sys.executable, "-m", "fxport.cli", "submit", str(junk), "--target", "onnx",
          "--server", distributed_stack.address, "--out", str(out), "--timeout", "240", "--json"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
     assert proc.returncode == 2, (proc.stdout, proc.stderr, distributed_stack.logs())

@@ -190,6 +190,7 @@ def test_a_job_counts_as_running_while_its_worker_runs_it_and_a_failure_names_st
     verification failure and a store outage are two different series."""
     from fxport.errors import ConversionFailed, VerificationFailed
     from fxport.jobs import InputRef, JobRecord, SqliteJobStore, new_job_id
+    from fxport.manifest import Manifest
     from fxport.metrics import MeteredJobStore
     from fxport.spec import parse_spec
     from fxport.storage import FileStore, StoreUnreachable, input_key
@@ -206,7 +207,7 @@ def test_a_job_counts_as_running_while_its_worker_runs_it_and_a_failure_names_st
     def new_job(targets: list[str]) -> str:
         spec = parse_spec({"targets": targets})
         rec, _ = ctx.jobs.create(JobRecord(
-            id=new_job_id(), tenant="default", spec=spec.normalized(), spec_digest=spec.digest(),
+            id=new_job_id(), tenant="default", spec=spec, spec_digest=spec.digest(),
             model=InputRef(sha256=sha, bytes=len(model), filename="m.pt2", key=input_key("default", sha))))
         return rec.id
 
@@ -238,7 +239,7 @@ def test_a_job_counts_as_running_while_its_worker_runs_it_and_a_failure_names_st
             art = {"format": "onnx", "path": "model.onnx", "bytes": 4, "sha256": hashlib.sha256(b"onnx").hexdigest()}
             manifest = {"artifacts": [art], "verification": [{"format": "onnx", "passed": True}]}
             (out_dir / "manifest.json").write_text(json.dumps(manifest))
-            return manifest
+            return Manifest.model_validate(manifest)
 
         trt = new_job(["tensorrt"])
         ctx.enqueue_stage = lambda stage, job_id: None

@@ -373,7 +373,7 @@ class QueueControl:
 
     def __init__(self, broker_url: str) -> None:
         from fxport.config import Settings
-        from fxport.workers.celery_app import create_celery_app
+        from fxport.task_queue import create_celery_app
 
         self.app = create_celery_app(Settings(broker_url=broker_url))
 

@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from fxport.jobs import JobState
-from fxport.workers.celery_app import RUN_JOB, MessageVisibility
+from fxport.task_queue import RUN_JOB
+from fxport.workers.celery_app import MessageVisibility
 from tests.fixtures.servers import scaled
 from tests.reliability.conftest import (
     SPEC,

@@ -74,7 +74,7 @@ def test_store_down_past_the_budget_fails_the_job_naming_it(side_stack, tiny_pt2
     m = re.search(r"object store unreachable at (\S+) after (\d+) attempts over ([\d.]+) s", err["message"])
     assert m, err["message"]
     # No attempt starts past the budget; the last one may run over it by its own length (botocore's
-    # inner retry against a closed port sleeps up to 2.7 s: fxport/storage.py S3Store._retry).
+    # inner retry against a closed port sleeps up to 2.7 s: fxport/storage/s3_store.py S3Store._retry).
     assert m.group(1) == dead and int(m.group(2)) >= 3 and float(m.group(3)) <= 3.0 + 3.0
     rec = side_stack.job_store().get(job.id)
     assert rec.attempts == 1 and rec.artifacts == []

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
+from fxport.digest import sha256_file
 from fxport.jobs import InputRef, JobRecord, JobState, new_job_id
 from fxport.spec import parse_spec
-from fxport.storage import input_key, sha256_file
+from fxport.storage import input_key
 from tests.fixtures.servers import scaled
 from tests.reliability.conftest import (
     REDELIVERY_BOUND_S,
@@ -31,7 +32,7 @@ def test_a_job_lost_with_its_worker_and_message_is_requeued_and_completes(fault_
     sha, size = sha256_file(tiny_pt2)
     store.put_file(input_key("default", sha), tiny_pt2)
     spec = parse_spec(SPEC)
-    rec = JobRecord(id=new_job_id(), tenant="default", spec=spec.normalized(), spec_digest=spec.digest(),
+    rec = JobRecord(id=new_job_id(), tenant="default", spec=spec, spec_digest=spec.digest(),
                     model=InputRef(sha256=sha, bytes=size, filename="tiny.pt2", key=input_key("default", sha)),
                     message="queued")
     jobs.create(rec)

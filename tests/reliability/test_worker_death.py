@@ -119,7 +119,7 @@ def restore_lock_expiry_s(fault_stack) -> float:  # noqa: ANN001
     from kombu.transport.redis import Channel
 
     from fxport.config import Settings
-    from fxport.workers.celery_app import create_celery_app
+    from fxport.task_queue import create_celery_app
 
     settings = Settings(broker_url=fault_stack.broker_url,
                         unacked_restore_interval_s=float(fault_stack.env["FXPORT_UNACKED_RESTORE_INTERVAL_S"]))

@@ -54,7 +54,8 @@ def test_the_signature_table_lists_outputs_and_the_batch_axis(manifest: dict[str
     text, idx = _index(manifest)
     assert idx.body_rows["signature-table"] == 2
     assert "<td>output</td><td>logits</td>" in text
-    assert "Batch axis: dim 0 of every input and output is the dynamic dim &#x27;batch&#x27;." in text
+    # markupsafe writes ' as &#39; (html.escape wrote &#x27;): the same character
+    assert "Batch axis: dim 0 of every input and output is the dynamic dim &#39;batch&#39;." in text
 
 
 def test_capture_ladder_shows_which_rung_worked_and_why_others_failed(manifest: dict[str, Any]) -> None:
@@ -146,6 +147,7 @@ def test_sqnr_chart_marks_fallback_layers(manifest: dict[str, Any]) -> None:
 
 def test_graph_before_and_after_are_drawn_and_big_ones_collapse(manifest: dict[str, Any], dot_binary: str) -> None:
     text, idx = _index(manifest)
+    assert "Graph not drawn" not in text, text[text.find("Graph not drawn"):][:300]
     assert idx.svg_in.get("graph") == 2
     assert "graph-before" in idx.ids and "graph-after" in idx.ids
     assert "graph-before-graph0" in idx.ids and "graph-after-graph0" in idx.ids  # dot's ids made unique
@@ -165,14 +167,17 @@ def test_small_graph_is_drawn_open(manifest: dict[str, Any], dot_binary: str) ->
     assert text.count('<details class="graph-details" open>') == 2
 
 
-def test_huge_graph_draws_only_the_first_nodes_and_says_so(manifest: dict[str, Any]) -> None:
+def test_a_graph_past_the_budget_is_drawn_as_a_summary_and_says_so(manifest: dict[str, Any]) -> None:
     n = MAX_DRAWN_NODES + 50
     nodes = [{"name": "x", "op": "placeholder", "target": "x", "inputs": []}]
     nodes += [{"name": f"relu_{i}", "op": "call_function", "target": "aten.relu.default",
                "inputs": [nodes[-1]["name"] if i == 0 else f"relu_{i - 1}"]} for i in range(n)]
     manifest["graph_after"] = {"node_count": 5000, "op_counts": {"aten.relu.default": n}, "nodes": nodes}
     text, idx = _index(manifest)
-    assert f"drawing only the first {MAX_DRAWN_NODES} of {n + 1} nodes" in text
+    # the input stays a box of its own; the chain of relus, each feeding only the next, is one box
+    assert "Graph diagram (5000 nodes, 2 drawn as boxes)" in text
+    assert f"{n + 1} nodes to draw are more than dot lays out in a few seconds: this is a summary" in text
+    assert f"({n + 1} nodes in 2 boxes)" in text
     assert f"lists only the first {n + 1} of 5000 nodes" in text
     assert idx.body_rows["graph-after-nodes"] == n + 1  # the table keeps them all
 
@@ -318,9 +323,9 @@ def test_remote_ref_probe_catches_what_it_must() -> None:
 def test_missing_dot_binary_leaves_a_note_and_the_tables(manifest: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
                                                          tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` on an empty PATH
-    from fxport import report
+    from fxport.report import clear_layout_cache
 
-    monkeypatch.setattr(report, "_layouts", type(report._layouts)())  # nothing laid out earlier
+    clear_layout_cache()  # nothing laid out earlier
     text, idx = _index(manifest)
     assert "Graphviz <code>dot</code> is not installed" in text
     assert idx.svg_in.get("graph") is None
@@ -352,7 +357,7 @@ def test_write_report_puts_report_html_beside_the_manifest(tmp_path: Path, manif
 def test_report_command_writes_and_prints_the_path(tmp_path: Path, manifest: dict[str, Any]) -> None:
     import typer
 
-    from fxport.client.report_command import report_command
+    from fxport.cli.report_command import report_command
 
     app = typer.Typer()
     app.command()(report_command)
@@ -371,7 +376,7 @@ def test_report_command_writes_and_prints_the_path(tmp_path: Path, manifest: dic
 
 
 def test_renderer_imports_neither_torch_nor_onnx() -> None:
-    code = ("import sys, fxport.report, fxport.client.report_command; "
+    code = ("import sys, fxport.report, fxport.cli.report_command; "
             "bad = [m for m in ('torch', 'onnx', 'onnxruntime', 'tensorrt') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -401,3 +406,14 @@ def test_shape_checks_are_left_out_of_the_drawing_and_counted() -> None:
     text, _ = _index(m)
     assert "Graph diagram (11 nodes, 4 drawn as boxes)" in text
     assert "7 shape-check nodes" in text
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "fixtures" / "manifests").glob("*.json"))
+                         + [Path(__file__).parent / "fixtures" / "manifest_resnet18_int8.json"], ids=lambda p: p.name)
+def test_a_manifest_of_every_schema_version_renders_whole(path: Path) -> None:
+    """Manifests written before versioning (schema 1) and by this version (3) read through the type and render
+    every section that applies, none of them in part."""
+    text = render_report(json.loads(path.read_text()), layout=lambda source: b"<svg></svg>")
+    assert "could not be rendered" not in text and 'id="unreadable"' not in text
+    for sid in ALWAYS:
+        assert f'<section id="{sid}"' in text

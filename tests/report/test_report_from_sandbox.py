@@ -95,7 +95,7 @@ def test_a_worker_without_graphviz_forks_nothing_for_the_graphs(tmp_path: Path, 
     from fxport.workers.sandbox import draw_report
 
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    monkeypatch.setattr(report, "_layouts", type(report._layouts)())  # nothing laid out earlier
+    report.clear_layout_cache()  # nothing laid out earlier
     out = tmp_path / "out"
     out.mkdir()
     (out / "manifest.json").write_text(json.dumps(manifest))

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fxport.cli.server import create_server
 from fxport.client import AuthFailed, Client, Job, JobNotFound, ServerUnreachable
 from fxport.config import Settings
 from fxport.errors import EXIT_UNREACHABLE, EXIT_USAGE
@@ -29,7 +30,6 @@ from fxport.service.auth import (
     parse_tokens,
     token_entry,
 )
-from fxport.service.server import create_server
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
 
@@ -81,7 +81,7 @@ def test_the_client_reports_auth_failure_with_its_exit_code(secure_stack, tiny_p
 
 
 def test_cli_without_a_token_exits_4(secure_stack):
-    res = subprocess.run([sys.executable, "-m", "fxport.client.cli", "jobs", "list", "--server", secure_stack.address],
+    res = subprocess.run([sys.executable, "-m", "fxport.cli", "jobs", "list", "--server", secure_stack.address],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "FXPORT_TOKEN": ""})
     assert res.returncode == EXIT_UNREACHABLE, res.stderr
     assert "missing credentials" in res.stderr
@@ -195,7 +195,7 @@ def test_server_refuses_to_start_without_auth_off_loopback(tmp_path):
         create_server(Settings(home=tmp_path / "b", listen="0.0.0.0:0", tokens_file=tmp_path / "missing"))
     srv, _ = create_server(Settings(home=tmp_path / "c", listen="0.0.0.0:0", insecure_no_auth=True))
     srv.stop(grace=0)
-    res = subprocess.run([sys.executable, "-m", "fxport.client.cli", "serve", "--listen", "0.0.0.0:0",
+    res = subprocess.run([sys.executable, "-m", "fxport.cli", "serve", "--listen", "0.0.0.0:0",
                           "--home", str(tmp_path / "d")], capture_output=True, text=True, timeout=60,
                          env={k: v for k, v in os.environ.items() if not k.startswith("FXPORT_")})
     assert res.returncode == EXIT_USAGE
@@ -205,7 +205,7 @@ def test_server_refuses_to_start_without_auth_off_loopback(tmp_path):
 def test_tokens_command(tmp_path):
     from typer.testing import CliRunner
 
-    from fxport.client.cli import app
+    from fxport.cli import app
 
     runner = CliRunner()
     path = tmp_path / "tokens"

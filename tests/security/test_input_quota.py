@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-import fxport.client.client
+import fxport.client.presigned
 from fxport.client import Client
 from fxport.client.errors import InvalidInput, TooLarge
 from fxport.config import Settings
@@ -142,7 +142,7 @@ def test_an_upload_url_comes_only_with_a_submit_and_goes_when_none_follows(serve
         offer = alice._call(alice._stub.CheckUpload, ask).model_upload
     assert offer.url
     assert server.jobs.input_bytes("alice") == SIZE  # counted from the moment the URL exists
-    fxport.client.client._put_file(offer.url, offer.headers, model)  # ... and no submit follows
+    fxport.client.presigned.put_file(offer.url, offer.headers, model)  # ... and no submit follows
     assert server.stored("alice", sha)
 
     assert server.sweep(DEFAULT_URL_EXPIRY_S) == []  # its URL may still be in use

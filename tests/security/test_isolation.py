@@ -1,4 +1,5 @@
-"""A hostile model reaches nothing but its own job (DESIGN.md §6), tried as an attacker would.
+"""A hostile model reaches nothing but its own job (docs/architecture.md, "Trust boundaries"), tried
+as an attacker would.
 
 Each way out a tenant's model once had is tried again from inside a real job, through the
 real stack: an authenticated API, Redis, a Celery worker and its warm sandbox, SeaweedFS with

@@ -15,6 +15,7 @@ import pytest
 from fxport.client import Client, QueueFull
 from fxport.config import Settings
 from fxport.jobs import InputRef, JobRecord, SqliteJobStore, new_job_id
+from fxport.manifest import Manifest
 from fxport.service.auth import new_token, token_entry
 from fxport.service.server import create_server
 from fxport.spec import parse_spec
@@ -132,7 +133,7 @@ def test_the_worker_runs_the_sandbox_within_the_server_maximums(tmp_path: Path):
         spec = request.spec
         seen.update(memory_mb=spec.limits.memory_mb, spec_timeout=spec.limits.timeout_s, timeout_s=request.timeout_s)
         (request.out_dir / "model.onnx").write_bytes(b"onnx")
-        return {"artifacts": []}
+        return Manifest()
 
     ctx = WorkerContext(jobs=jobs, artifacts=store, engine=engine, worker_id="t",
                         settings=Settings(home=tmp_path, work_dir=tmp_path / "work", max_job_memory_mb=1024,
@@ -142,7 +143,7 @@ def test_the_worker_runs_the_sandbox_within_the_server_maximums(tmp_path: Path):
     (tmp_path / "m").write_bytes(data)
     store.put_file(input_key("default", sha), tmp_path / "m")
     spec = parse_spec({"targets": ["onnx"], "limits": {"memory_mb": 1 << 20, "timeout_s": 24 * 3600}})
-    rec, _ = jobs.create(JobRecord(id=new_job_id(), tenant="default", spec=spec.normalized(),
+    rec, _ = jobs.create(JobRecord(id=new_job_id(), tenant="default", spec=spec,
                                    spec_digest=spec.digest(),
                                    model=InputRef(sha256=sha, bytes=len(data), filename="m.pt2",
                                                   key=input_key("default", sha))))

@@ -9,9 +9,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from fxport.cli.server import create_server
 from fxport.config import Settings
 from fxport.jobs import new_job_id
-from fxport.service.server import create_server
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
 
@@ -154,7 +154,7 @@ def test_a_filtered_listing_pages_past_the_share_one_call_examines(server, monke
 
     from typer.testing import CliRunner
 
-    from fxport.client.cli import app
+    from fxport.cli import app
     from fxport.jobs import InputRef, JobRecord, JobState, SqliteJobStore
 
     srv, port = server

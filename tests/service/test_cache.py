@@ -315,7 +315,7 @@ def test_a_corrupted_cached_artifact_is_detected_and_recomputed(cache_api, first
 def test_cli_reports_cache_hit_and_skipped_upload(cache_api, first_job, tiny_pt2, tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC_REORDERED))
-    base = [sys.executable, "-m", "fxport.client.cli", "submit", str(tiny_pt2), "--spec", str(spec),
+    base = [sys.executable, "-m", "fxport.cli", "submit", str(tiny_pt2), "--spec", str(spec),
             "--server", cache_api.api.address, "--token", cache_api.tokens[TENANTS[0]], "--json"]
     hit = subprocess.run([*base, "--wait"], capture_output=True, text=True, timeout=120)
     assert hit.returncode == 0, hit.stderr

@@ -248,7 +248,7 @@ def test_a_job_benchmarked_on_a_worker_brings_its_benchmark_back(distributed_sta
     prints the table and the recommendation without --out (it fetches the manifest alone)."""
     spec = tmp_path / "spec.yaml"
     spec.write_text("targets: [onnx, torchscript]\nbenchmark: {runs: 5, warmup: 1}\n")
-    proc = subprocess.run([sys.executable, "-m", "fxport.client.cli", "submit", str(tiny_pt2), "--spec", str(spec),
+    proc = subprocess.run([sys.executable, "-m", "fxport.cli", "submit", str(tiny_pt2), "--spec", str(spec),
                            "--benchmark", "--wait", "--timeout", "240", "--server", distributed_stack.address],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
     assert proc.returncode == 0, (proc.stdout, proc.stderr, distributed_stack.logs())

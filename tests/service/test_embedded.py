@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def fxport(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fxport.client.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fxport.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
 import fxport
+from fxport.cli.server import create_server
 from fxport.config import Settings
 from fxport.jobs import new_job_id
 from fxport.service.auth import new_token, token_entry
-from fxport.service.server import create_server
 from fxport.v1 import conversion_pb2 as pb
 from fxport.v1 import conversion_pb2_grpc as pb_grpc
 from tests.fixtures.servers import scaled, wait_until

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.fixtures.servers import scaled
 
-FXPORT = [sys.executable, "-m", "fxport.client.cli"]
+FXPORT = [sys.executable, "-m", "fxport.cli"]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:

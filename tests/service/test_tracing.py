@@ -56,8 +56,8 @@ def _one_trace(spans: list, job_id: str) -> None:
 
 
 def test_one_trace_spans_submit_the_job_and_its_stages(in_memory, tiny_pt2, tmp_path):
+    from fxport.cli.server import create_server
     from fxport.client import Client
-    from fxport.service.server import create_server
 
     srv, port = create_server(Settings(home=tmp_path / "home", listen="127.0.0.1:0", log_format="text",
                                        cache_enabled=False, retention_sweep_interval_s=0))

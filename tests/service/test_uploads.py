@@ -21,7 +21,7 @@ import urllib.request
 import grpc
 import pytest
 
-import fxport.client.client
+import fxport.client.presigned
 from fxport.client import Client
 from fxport.storage import S3Store, input_key
 from fxport.v1 import conversion_pb2 as pb
@@ -97,23 +97,23 @@ def test_an_upload_url_stores_only_the_bytes_it_was_signed_for(metered_api, dist
     key = input_key("default", sha)
     tampered = tmp_path / "tampered.bin"
     tampered.write_bytes(model.read_bytes()[:-1] + b"\0")
-    with pytest.raises(fxport.client.client._DirectUnavailable, match="400"):  # the store hashed the body: BadDigest
-        fxport.client.client._put_file(offer.url, offer.headers, tampered)
+    with pytest.raises(fxport.client.presigned.DirectUnavailable, match="400"):  # the store hashed the body: BadDigest
+        fxport.client.presigned.put_file(offer.url, offer.headers, tampered)
     for name, value in (("x-amz-meta-sha256", "0" * 64), ("Content-Length", str(SIZE - 1))):
-        with pytest.raises(fxport.client.client._DirectUnavailable, match="403"):  # not the headers it signs
-            fxport.client.client._put_file(offer.url, {**offer.headers, name: value}, model if name != "Content-Length"
-                                    else _random_file(tmp_path / "short.bin", SIZE - 1)[0])
+        with pytest.raises(fxport.client.presigned.DirectUnavailable, match="403"):  # not the headers it signs
+            body = model if name != "Content-Length" else _random_file(tmp_path / "short.bin", SIZE - 1)[0]
+            fxport.client.presigned.put_file(offer.url, {**offer.headers, name: value}, body)
     assert store.head(key) is None
-    fxport.client.client._put_file(offer.url, offer.headers, model)
+    fxport.client.presigned.put_file(offer.url, offer.headers, model)
     assert store.head(key).sha256 == sha
 
 
 def test_a_store_the_client_cannot_reach_gets_the_bytes_through_the_api(metered_api, distributed_stack, tmp_path,
                                                                        monkeypatch):
     model, sha = _random_file(tmp_path / "internal.bin")
-    real = fxport.client.client._put_file
+    real = fxport.client.presigned.put_file
     # The store's endpoint is cluster-internal: from the client, nothing answers there.
-    monkeypatch.setattr(fxport.client.client, "_put_file",
+    monkeypatch.setattr(fxport.client.presigned, "put_file",
                         lambda url, headers, path: real(re.sub(r"//[^/]+/", "//127.0.0.1:1/", url, count=1),
                                                         headers, path))
     through, past = metered_api.through_api(), metered_api.past_api()

@@ -32,7 +32,7 @@ from fxport.serving.triton import (
 from tests.fixtures.client_venv import client_venv
 from tests.fixtures.servers import scaled
 
-FXPORT = [sys.executable, "-m", "fxport.client.cli"]
+FXPORT = [sys.executable, "-m", "fxport.cli"]
 BATCH_MAX = 32
 ONNX_TYPES = {1: "TYPE_FP32", 7: "TYPE_INT64", 9: "TYPE_BOOL", 10: "TYPE_FP16"}
 TORCH_TYPES = {"torch.float32": "TYPE_FP32", "torch.int64": "TYPE_INT64"}
@@ -290,7 +290,7 @@ def test_the_client_install_packages_beside_tritonclient_without_a_downgrade(job
     assert tuple(int(p) for p in version.split(".")[:2]) >= (2, 73), f"tritonclient held back at {version}"
 
     repo = tmp_path / "repo"
-    made = subprocess.run([python, "-m", "fxport.client.cli", "package", "triton", str(job), "--name", "two",
+    made = subprocess.run([python, "-m", "fxport.cli", "package", "triton", str(job), "--name", "two",
                            "--out", str(repo)], capture_output=True, text=True, timeout=scaled(300), cwd=tmp_path)
     assert made.returncode == 0, made.stderr[-3000:]
     assert "torch" not in subprocess.run([python, "-m", "pip", "list"], capture_output=True, text=True,

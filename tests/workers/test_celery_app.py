@@ -1,9 +1,9 @@
-"""Celery configuration: routing and the at-least-once settings (ENVIRONMENT.md explains why)."""
+"""Celery configuration: routing and the at-least-once settings (fxport/task_queue.py says why each one)."""
 
 from __future__ import annotations
 
 from fxport.config import Settings
-from fxport.workers.celery_app import BUILD_TENSORRT, RUN_JOB, create_celery_app, route_for
+from fxport.task_queue import BUILD_TENSORRT, RUN_JOB, create_celery_app, route_for
 
 
 def test_routing_tensorrt_to_gpu_everything_else_to_cpu():

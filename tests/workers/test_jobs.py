@@ -18,9 +18,10 @@ import pytest
 from fxport.config import Settings
 from fxport.errors import VerificationFailed
 from fxport.jobs import InputRef, JobRecord, JobState, SqliteJobStore, new_job_id
+from fxport.manifest import Manifest
 from fxport.spec import parse_spec
 from fxport.storage import FileStore, input_key, job_prefix
-from fxport.workers.engine.pipeline import WRITING_DIR
+from fxport.workers.engine.publish import WRITING_DIR
 from fxport.workers.jobs import WorkerContext, execute_job, execute_stage
 
 MODEL = b"pretend this is a .pt2"
@@ -49,7 +50,7 @@ def make_job(ctx: WorkerContext, spec: dict | None = None, **kw) -> JobRecord:
     return rec
 
 
-def write_outputs(out_dir: Path, names=("model.onnx", "model.ts", "fx_source/module.py")) -> dict:
+def write_outputs(out_dir: Path, names=("model.onnx", "model.ts", "fx_source/module.py")) -> Manifest:
     arts = []
     for name in names:
         p = out_dir / name
@@ -60,7 +61,7 @@ def write_outputs(out_dir: Path, names=("model.onnx", "model.ts", "fx_source/mod
                      "sha256": hashlib.sha256(p.read_bytes()).hexdigest()})
     manifest = {"artifacts": arts, "verification": [{"format": "onnx", "passed": True}]}
     (out_dir / "manifest.json").write_text(json.dumps(manifest))
-    return manifest
+    return Manifest.model_validate(manifest)
 
 
 def ok_engine(calls: list):
@@ -211,13 +212,13 @@ def _staging_engine(ctx, job_id, seen: dict, rewrite_onnx: bool = False, fail: b
     return engine
 
 
-def _manifest_of(out_dir: Path) -> dict:
+def _manifest_of(out_dir: Path) -> Manifest:
     arts = [{"format": fmt, "path": name, "bytes": (out_dir / name).stat().st_size,
              "sha256": hashlib.sha256((out_dir / name).read_bytes()).hexdigest()}
             for name, fmt in (("model.onnx", "onnx"), ("model.ts", "torchscript"))]
     manifest = {"artifacts": arts, "verification": [{"format": "onnx", "passed": True}]}
     (out_dir / "manifest.json").write_text(json.dumps(manifest))
-    return manifest
+    return Manifest.model_validate(manifest)
 
 
 def test_artifacts_stored_during_the_run_are_offered_to_clients_until_the_job_ends(ctx):
@@ -311,7 +312,7 @@ def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
         manifest = {"artifacts": [art], "verification": [{"format": "tensorrt", "passed": True}],
                     "toolchain": {"tensorrt": "10.0"}, "timings_s": {"build": 1.0}}
         (out_dir / "manifest.json").write_text(json.dumps(manifest))
-        return manifest
+        return Manifest.model_validate(manifest)
 
     ctx.engine = trt_engine
     done = execute_stage("tensorrt", rec.id, ctx)
@@ -326,7 +327,6 @@ def test_tensorrt_target_hands_the_job_to_the_gpu_stage(ctx):
 
 
 def test_the_tensorrt_stage_benchmark_joins_the_cpu_stages_and_the_pick_is_made_again():
-    from fxport.manifest import Manifest
 
     def row(artifact: str, batch: int, p50: float) -> dict:
         return {"artifact": artifact, "batch": batch, "p50_ms": p50, "throughput_per_s": batch * 1000 / p50,

@@ -138,7 +138,7 @@ def test_a_thread_the_model_leaves_running_does_not_hold_the_job(tmp_path: Path,
         threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
     """)
     manifest = run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / "out",
-                                            job_id=f"t-linger-{mode}", timeout_s=240))
+                                            job_id=f"t-linger-{mode}", timeout_s=240)).to_dict()
     assert manifest["verification"][0]["passed"]
     assert (tmp_path / "out" / "model.onnx").is_file()
 
@@ -215,7 +215,8 @@ def test_a_time_limit_while_the_zygote_starts_is_not_swallowed(monkeypatch: pyte
 def test_a_good_model_still_converts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     monkeypatch.setenv("FXPORT_SANDBOX_MODE", mode)
     model = hostile_package(tmp_path, f"benign_{mode}", "pass")
-    manifest = run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / "out", job_id="t-ok"))
+    request = EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / "out", job_id="t-ok")
+    manifest = run_engine_job(request).to_dict()
     assert manifest["verification"][0]["passed"]
     assert manifest["sandbox"]["memory_limit_mb"] == SPEC.limits.memory_mb
     assert (tmp_path / "out" / "model.onnx").is_file()
@@ -252,7 +253,7 @@ def test_the_zygote_forks_from_huge_pages(tmp_path: Path, monkeypatch: pytest.Mo
         monkeypatch.setattr(launch, "_warm", zygote)
         monkeypatch.setenv("FXPORT_SANDBOX_MODE", "warm")
         manifest = run_engine_job(EngineRequest(model_path=hostile_package(tmp_path, "benign_huge", "pass"),
-                                                spec=SPEC, out_dir=tmp_path / "out", job_id="t-huge"))
+                                                spec=SPEC, out_dir=tmp_path / "out", job_id="t-huge")).to_dict()
         assert manifest["verification"][0]["passed"]
     finally:
         zygote.close()
@@ -270,7 +271,7 @@ def test_warm_children_use_all_threads_and_do_not_hang(tmp_path: Path, monkeypat
     spec = parse_spec(spec_dict(case, targets=("onnx",)))
     for i in range(2):
         manifest = run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=tmp_path / f"out{i}",
-                                                job_id=f"t-r{i}", timeout_s=120))
+                                                job_id=f"t-r{i}", timeout_s=120)).to_dict()
         assert manifest["verification"][0]["passed"]
 
 
@@ -313,7 +314,7 @@ def test_each_job_gets_its_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch, tm
 def test_fxport_worker_tells_its_jobs_its_concurrency(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from fxport.client import cli
+    from fxport.cli import commands as cli
 
     seen: dict[str, str | None] = {}
     monkeypatch.setenv("FXPORT_WORKER_CONCURRENCY", "1")  # the command sets it: restored after the test

@@ -132,7 +132,7 @@ def test_jobs_run_in_spare_children_that_the_zygote_learned_to_warm(zygote, tmp_
     for i in range(3):
         wait_until(lambda: _spare_waiting(zygote._proc.pid), 60, "the spare to be ready")
         manifest = run_engine_job(EngineRequest(model_path=model, spec=SPEC, out_dir=tmp_path / f"out{i}",
-                                                job_id=f"t-spare-{i}"))
+                                                job_id=f"t-spare-{i}")).to_dict()
         assert manifest["verification"][0]["passed"]
         box = manifest["sandbox"]
         assert all(box[key] for key in ("no_new_processes", "sockets_blocked", "filesystem_reads_confined",
@@ -156,7 +156,7 @@ def test_a_spare_that_died_is_replaced_and_no_job_is_lost(zygote, tmp_path: Path
 
     def convert(name: str) -> None:
         manifest = run_engine_job(EngineRequest(model_path=model, spec=spec, out_dir=tmp_path / name,
-                                                job_id=f"t-{name}"))
+                                                job_id=f"t-{name}")).to_dict()
         assert all(check["passed"] for check in manifest["verification"]), manifest["verification"]
         digests.append({art["path"]: art["sha256"] for art in manifest["artifacts"]})
 
@@ -185,7 +185,7 @@ def test_spares_off_jobs_fork_as_before(monkeypatch: pytest.MonkeyPatch, tmp_pat
         assert _zygote_children(box._proc.pid) == []
         monkeypatch.setattr(launch, "_warm", box)
         manifest = run_engine_job(EngineRequest(model_path=hostile_package(tmp_path, "benign_no_spare", "pass"),
-                                                spec=SPEC, out_dir=tmp_path / "out", job_id="t-no-spare"))
+                                                spec=SPEC, out_dir=tmp_path / "out", job_id="t-no-spare")).to_dict()
         assert manifest["verification"][0]["passed"]
     finally:
         box.close()

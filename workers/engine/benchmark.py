@@ -18,6 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -126,78 +127,21 @@ def measure(runners: list[Runner], sig: InputSignature, opts: BenchmarkOptions, 
     all its runs, its interval the range of its rounds' medians, and a spread past NOISY_SPREAD
     marks the machine noisy. The recommendation is made only where intervals separate."""
     started = clock()
-    deadline = started + opts.max_seconds
     threads_before = torch.get_num_threads()
     threads = opts.threads or threads_before
     torch.set_num_threads(threads)  # onnxruntime sessions take the same (verify/runners.py)
     batches = opts.batches or default_batches(sig)
     # Rounds of at least MIN_RUNS each: `runs: 3` is one round (a p50 without an interval).
     rounds = max(1, min(opts.rounds, opts.runs // MIN_RUNS))
-    times: dict[tuple[str, int], list[list[float]]] = {}  # (artifact, batch) -> each round's latencies
-    memory: dict[tuple[str, int], float] = {}
-    peaks: dict[tuple[str, int], float] = {}
-    why_not: dict[tuple[str, int], str] = {}
-    runtime_of: dict[str, str | None] = {}
-    total = rounds * len(runners) * len(batches)
-    done = 0
+    plan = _Plan(sig, opts, batches, rounds, seed, deadline=started + opts.max_seconds, clock=clock, emit=emit)
+    tally = _Tally(total=rounds * len(runners) * len(batches))
     try:
         for rnd in range(rounds):
             for runner in runners:
-                keys = [(runner.name, b) for b in batches]
-                if all(k in why_not for k in keys):
-                    done += len(batches)
-                    continue
-                before_load = _status_mib("VmRSS")  # memory: what the runtime adds over this
-                try:
-                    runner.activate()
-                except Exception as exc:  # noqa: BLE001 - a runtime that cannot load is a finding, not a crash
-                    for k in keys:
-                        why_not.setdefault(k, f"could not load: {_why(exc)}")
-                    done += len(batches)
-                    continue
-                runtime_of[runner.name] = runner.runtime
-                try:
-                    for batch in batches:
-                        key = (runner.name, batch)
-                        done += 1
-                        if key in why_not:
-                            continue
-                        if emit:
-                            emit("benchmark", (done - 1) / total, f"{runner.name} at batch {batch}"
-                                 + (f" (round {rnd + 1} of {rounds})" if rounds > 1 else ""))
-                        # the runs split over the rounds; the first round's MIN_RUNS come whatever the
-                        # budget, so a stage cut short still has a p50 for what it reached
-                        got = _measure_one(runner, sig, opts, batch, seed=seed, deadline=deadline,
-                                           left=total - done + 1, clock=clock,
-                                           runs=opts.runs // rounds + (1 if rnd < opts.runs % rounds else 0),
-                                           min_runs=MIN_RUNS if rnd == 0 else 1, before_load=before_load)
-                        if isinstance(got, str):
-                            if not times.get(key):  # a later round's shortfall keeps what earlier rounds measured
-                                why_not[key] = got
-                            continue
-                        latencies, mib, peak = got
-                        times.setdefault(key, []).append(latencies)
-                        if mib is not None:
-                            memory[key] = max(memory.get(key, 0.0), mib)
-                        if peak is not None:
-                            peaks[key] = max(peaks.get(key, 0.0), peak)
-                finally:
-                    runner.deactivate()
+                _measure_runner(plan, tally, runner, rnd)
     finally:
         torch.set_num_threads(threads_before)
-    results, skipped = [], []
-    for runner in runners:
-        for batch in batches:
-            key = (runner.name, batch)
-            pooled = [t for round_times in times.get(key, []) for t in round_times]
-            if len(pooled) < MIN_RUNS:
-                reason = why_not.get(key) or (f"only {len(pooled)} run(s) fit in the stage's max_seconds "
-                                              f"({opts.max_seconds:g} s)")
-                skipped.append({"artifact": runner.name, "batch": batch, "reason": reason})
-                continue
-            results.append({**_row(runner.name, runtime_of.get(runner.name), batch, times[key], memory.get(key)),
-                            "peak_rss_mib": peaks.get(key),
-                            "verified": runner.name == "eager" or runner.name in verified, "threads": threads})
+    results, skipped = _rows(plan, tally, runners, verified, threads)
     return {
         "results": results, "skipped": skipped, "recommendation": recommend(results), "machine": machine_info(),
         "noise": noise(results), "no_clear_winner": no_clear_winner(results),
@@ -205,6 +149,100 @@ def measure(runners: list[Runner], sig: InputSignature, opts: BenchmarkOptions, 
                      "threads": threads, "max_seconds": opts.max_seconds},
         "seconds": round(clock() - started, 3),
     }
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every measurement of one benchmark stage shares."""
+
+    sig: InputSignature
+    opts: BenchmarkOptions
+    batches: list[int]
+    rounds: int
+    seed: int
+    deadline: float
+    clock: Callable[[], float]
+    emit: Emit | None
+
+
+@dataclass
+class _Tally:
+    """What the rounds measured so far, per (artifact, batch), and how many measurements are done."""
+
+    total: int
+    done: int = 0
+    times: dict[tuple[str, int], list[list[float]]] = field(default_factory=dict)  # each round's latencies
+    memory: dict[tuple[str, int], float] = field(default_factory=dict)
+    peaks: dict[tuple[str, int], float] = field(default_factory=dict)
+    why_not: dict[tuple[str, int], str] = field(default_factory=dict)
+    runtime_of: dict[str, str | None] = field(default_factory=dict)
+
+    def add(self, key: tuple[str, int], got: tuple[list[float], float | None, float | None] | str) -> None:
+        if isinstance(got, str):
+            if not self.times.get(key):  # a later round's shortfall keeps what earlier rounds measured
+                self.why_not[key] = got
+            return
+        latencies, mib, peak = got
+        self.times.setdefault(key, []).append(latencies)
+        if mib is not None:
+            self.memory[key] = max(self.memory.get(key, 0.0), mib)
+        if peak is not None:
+            self.peaks[key] = max(self.peaks.get(key, 0.0), peak)
+
+
+def _measure_runner(plan: _Plan, tally: _Tally, runner: Runner, rnd: int) -> None:
+    """Round `rnd` of one runner: loaded, measured at every batch, unloaded."""
+    batches, opts, rounds = plan.batches, plan.opts, plan.rounds
+    keys = [(runner.name, b) for b in batches]
+    if all(k in tally.why_not for k in keys):
+        tally.done += len(batches)
+        return
+    before_load = _status_mib("VmRSS")  # memory: what the runtime adds over this
+    try:
+        runner.activate()
+    except Exception as exc:  # noqa: BLE001 - a runtime that cannot load is a finding, not a crash
+        for k in keys:
+            tally.why_not.setdefault(k, f"could not load: {_why(exc)}")
+        tally.done += len(batches)
+        return
+    tally.runtime_of[runner.name] = runner.runtime
+    try:
+        for batch in batches:
+            key = (runner.name, batch)
+            tally.done += 1
+            if key in tally.why_not:
+                continue
+            if plan.emit:
+                plan.emit("benchmark", (tally.done - 1) / tally.total, f"{runner.name} at batch {batch}"
+                          + (f" (round {rnd + 1} of {rounds})" if rounds > 1 else ""))
+            # the runs split over the rounds; the first round's MIN_RUNS come whatever the
+            # budget, so a stage cut short still has a p50 for what it reached
+            tally.add(key, _measure_one(runner, plan.sig, opts, batch, seed=plan.seed, deadline=plan.deadline,
+                                        left=tally.total - tally.done + 1, clock=plan.clock,
+                                        runs=opts.runs // rounds + (1 if rnd < opts.runs % rounds else 0),
+                                        min_runs=MIN_RUNS if rnd == 0 else 1, before_load=before_load))
+    finally:
+        runner.deactivate()
+
+
+def _rows(plan: _Plan, tally: _Tally, runners: list[Runner], verified: set[str], threads: int
+          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The manifest's result rows (runner × batch with MIN_RUNS runs or more) and the skipped ones, with why."""
+    results, skipped = [], []
+    for runner in runners:
+        for batch in plan.batches:
+            key = (runner.name, batch)
+            pooled = [t for round_times in tally.times.get(key, []) for t in round_times]
+            if len(pooled) < MIN_RUNS:
+                reason = tally.why_not.get(key) or (f"only {len(pooled)} run(s) fit in the stage's max_seconds "
+                                                    f"({plan.opts.max_seconds:g} s)")
+                skipped.append({"artifact": runner.name, "batch": batch, "reason": reason})
+                continue
+            results.append({**_row(runner.name, tally.runtime_of.get(runner.name), batch, tally.times[key],
+                                   tally.memory.get(key)),
+                            "peak_rss_mib": tally.peaks.get(key),
+                            "verified": runner.name == "eager" or runner.name in verified, "threads": threads})
+    return results, skipped
 
 
 def _row(name: str, runtime: str | None, batch: int, rounds: list[list[float]], memory_mib: float | None

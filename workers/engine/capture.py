@@ -1,6 +1,6 @@
 """The capture ladder: turn a loaded model into an FX GraphModule, recording every rung tried.
 
-Rungs, in order (DESIGN.md §5): torch.fx.symbolic_trace (torch level, readable) →
+Rungs, in order (docs/architecture.md, "The engine"): torch.fx.symbolic_trace (torch level, readable) →
 torch.export non-strict → torch.export strict, then FX on `ep.module()` (aten level).
 Most third-party models fail the first rung and pass the second: aten level is the common case.
 
@@ -18,10 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx import GraphModule
+import torch.utils._pytree as pytree
+from torch._ops import HigherOrderOperator
+from torch.fx import Graph, GraphModule, Node, Proxy
+from torch.fx.proxy import GraphAppendingTracer
 
 from fxport.errors import CaptureFailed, InvalidInput
 from fxport.workers.engine.inputs import InputSignature
+from fxport.workers.engine.load import SHAPES_HINT, hint_for
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _ENGINE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -75,7 +79,7 @@ def probe_forward(module: Any, args: tuple[Any, ...], sig: InputSignature) -> No
             f"the model fails on inputs {shapes}: {_reason(exc)}" + (f" (at {where})" if where else ""),
             stage="capture",
             field="inputs",
-            hint="check spec.inputs shapes and dtypes against what the model's forward() expects",
+            hint=hint_for(exc, SHAPES_HINT),
         ) from exc
 
 
@@ -209,19 +213,58 @@ def _export(module: Any, args: tuple[Any, ...], sig: InputSignature, *, strict: 
 
 
 def fx_from_exported(ep: Any, unlifted: Any = None) -> GraphModule:
-    """FX on `ep.module()`: a plain aten-level GraphModule.
+    """A plain aten-level GraphModule of an exported program, its nodes' metadata kept.
 
     `ep.module()` itself carries pytree specs and a local guard function that can't be
-    pickled (to_folder fails); re-tracing it inlines the guards as torch._assert nodes.
+    pickled (to_folder fails). The result is built from `ep.module()`'s own graph, copied
+    node by node, so every node keeps what export recorded (`val` with its symbolic shapes,
+    `tensor_meta`, `stack_trace`, `nn_module_stack`: the passes read them), with flat
+    placeholders, the guards inlined as torch._assert nodes and the outputs in the
+    program's structure — what `torch.fx.symbolic_trace(ep.module())` gives, minus the
+    metadata it drops, in time linear in the graph's size.
     `unlifted`: an `ep.module()` the caller already has (the loader's), reused instead of
-    unlifting again: tracing does not change it, and the passes never write into its tensors
+    unlifting again: copying does not change it, and the passes never write into its tensors
     (passes/graph_attrs.py).
     """
     module = unlifted if unlifted is not None else ep.module()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if not any(isinstance(n.target, HigherOrderOperator) for n in module.graph.nodes):
+            try:
+                return _copy_unlifted(module)
+            except Exception:
+                pass  # inputs or outputs in a structure the copy does not rebuild: re-trace as before
         try:
             return torch.fx.symbolic_trace(module)
         except Exception:
             # higher-order ops (torch.cond) refuse Proxy operands: keep the unlifted module as is
             return module
+
+
+def _copy_unlifted(module: GraphModule) -> GraphModule:
+    """`module`'s graph (an `ep.module()`) as a plain GraphModule: the node-for-node copy of
+    what re-tracing it records, the nodes' metadata kept. Flat positional inputs only."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    in_spec, out_spec = module._in_spec, module._out_spec
+    if out_spec is None or pytree.tree_unflatten(list(range(in_spec.num_leaves)), in_spec) != (
+            tuple(range(len(placeholders))), {}):
+        raise ValueError("the program's inputs are not flat positional tensors")
+    graph = Graph(tracer_cls=torch.fx.Tracer)
+    tracer = GraphAppendingTracer(graph)
+    env = {node: graph.node_copy(node) for node in placeholders}  # first, as a traced graph has them
+    for node in module.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "call_module" and node.target == "_guards_fn":
+            # the input checks export recorded, run on proxies: torch._assert nodes, as re-tracing makes
+            module.get_submodule("_guards_fn")(*(Proxy(env[a], tracer) if isinstance(a, Node) else a
+                                                 for a in node.args))
+        elif node.op == "output":
+            flat = [Proxy(env[a], tracer) if isinstance(a, Node) else a for a in node.args[0]]
+            graph.output(tracer.create_arg(pytree.tree_unflatten(flat, out_spec)))
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:  # num_batches_tracked: fetched, never read
+            graph.erase_node(node)
+    return GraphModule(module, graph, class_name=type(module).__name__)

@@ -2,7 +2,7 @@
 
 This is the ONE place a model file is deserialized. Loading runs code from the file
 (.pt2 may fall back to unpickling, torch.package imports packaged code), so it is only
-ever called inside the sandbox process (DESIGN.md §6).
+ever called inside the sandbox process (docs/architecture.md, "Trust boundaries").
 
 The formats it reads are the FORMATS registry (end of this file): adding an input format
 is one InputFormat entry there plus its loader.
@@ -10,8 +10,11 @@ is one InputFormat entry there plus its loader.
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +175,8 @@ def load_model(path: Path) -> LoadedModel:
         raise InvalidInput(
             f"could not load the {fmt.replace('_', ' ')} archive: {type(exc).__name__}: {exc}",
             stage="load",
-            hint="check it was saved with the same torch major version and that the file is complete",
+            hint=hint_for(exc, LOAD_HINT, when="when it is loaded", shapes=False,
+                          made_by=_pt2_made_by(path) if fmt == "torch_export" else None),
         ) from exc
 
 
@@ -252,3 +256,129 @@ def input_format(name: str) -> InputFormat:
         if fmt.name == name:
             return fmt
     raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------
+# Hints: what to do, chosen from what actually went wrong
+# ---------------------------------------------------------------------------------------
+
+LOAD_HINT = ("the archive's own code or data raised this as it was read: check that the file is complete and that "
+             "it loads on your machine with the call that reads it (torch.export.load, "
+             "torch.package.PackageImporter(...).load_pickle, torch.jit.load)")
+SHAPES_HINT = "check spec.inputs shapes and dtypes against what the model's forward() expects"
+SANDBOX_HINT = ("the sandbox forbids new processes and sockets: remove torch.compile / subprocess / multiprocessing "
+                "/ network calls from the model's code (torch.compile's inductor starts a compiler process), or use "
+                "--no-sandbox for a model you trust")
+# torch.package: "Object '<torch_package_0>.helpers.KEY' was mocked out during packaging but it is being used in ..."
+_MOCKED = re.compile(r"Object '(?:<torch_package_\d+>\.)?([\w.]+)' was mocked out during packaging")
+_SHAPE = re.compile(r"size mismatch|shape|must match the size|Expected .* got|expected .* but got|mat1 and mat2|"
+                    r"dimension|Dimension out of range|expected scalar type|dtype", re.IGNORECASE)
+_VERSION = re.compile(r"version .*does not match|schema version|maximum supported version|newer version|"
+                      r"this version of PyTorch|file format version|Saved archive version", re.IGNORECASE)
+_PROCESS_MODULES = ("subprocess.py", "socket.py", "popen_fork.py", "popen_spawn_posix.py", "popen_forkserver.py")
+_PROCESS_CALLS = re.compile(r"\b(fork|vfork|spawn|Popen|subprocess|system|exec[lv]p?e?|socket|connect)\b")
+
+
+def hint_for(exc: BaseException, default: str | None, *, when: str = "when it runs",
+             shapes: bool = True, made_by: str | None = None) -> str | None:
+    """The hint for an error the model's own code (or torch reading its archive) raised: from the
+    error's class and words, and those of what it was raised from (torch.compile wraps what its
+    backend raised).
+
+    A mocked or missing module: intern or extern it. A process or socket the sandbox refused: what
+    the sandbox forbids. The archive made by another torch: save it again with this one. A shape
+    or dtype error (`shapes`): check spec.inputs. Anything else: `default`. `when` says where the
+    model uses a mocked module ("when it is loaded"); `made_by`, the other torch the archive says
+    made it (`_pt2_made_by`: torch.export.load words a schema mismatch as a bare RuntimeError)."""
+    chain = list(_causes(exc, context=False))
+    for err in chain:
+        mocked = _MOCKED.search(str(err))
+        if isinstance(err, NotImplementedError) and mocked:
+            return _mocked_hint(mocked.group(1), when)
+    for err in chain:
+        if isinstance(err, ImportError) and err.name:
+            module = _demangled(err.name)
+            return (f"the model imports module {module} {when}, which the package does not hold and this worker "
+                    f"cannot import: save it with exporter.intern({module!r}) (its code goes in the package) or "
+                    f"exporter.extern({module!r}) with {module} installed where the model runs")
+    if any(_refused_by_sandbox(err) for err in _causes(exc, context=True)):
+        return SANDBOX_HINT
+    if made_by or any(_VERSION.search(str(err)) for err in chain):
+        import torch
+
+        ours = torch.__version__.split("+")[0]
+        return (f"the archive was made by {made_by or 'another torch version'}, which this worker's torch {ours} "
+                f"cannot read: save it again with torch {ours}, or convert it where the torch it was made with is "
+                "installed")
+    if shapes and any(isinstance(err, RuntimeError | ValueError | IndexError | TypeError) and _SHAPE.search(str(err))
+                      for err in chain):
+        return SHAPES_HINT
+    return default
+
+
+def _causes(exc: BaseException, *, context: bool) -> Iterator[BaseException]:
+    """`exc`, then what it was raised from (`raise ... from`, torch._dynamo's inner_exception) and, with
+    `context`, what it was raised while handling; at most 16, no cycles."""
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen and len(seen) < 16:
+        seen.add(id(err))
+        yield err
+        inner = getattr(err, "inner_exception", None)  # BackendCompilerFailed: what the backend raised
+        err = (err.__cause__ or (inner if isinstance(inner, BaseException) else None)
+               or (err.__context__ if context else None))
+
+
+_PT2_SCHEMA = re.compile(rb'"schema_version":\s*\{\s*"major":\s*(\d+),\s*"minor":\s*(\d+)\s*\}')
+_PT2_TORCH = re.compile(rb'"torch_version":\s*"([^"]{1,64})"')
+MAX_PT2_PROGRAM_BYTES = 256 << 20  # a program's JSON read for its version; past this, no version hint
+
+
+def _pt2_made_by(path: Path) -> str | None:
+    """"torch X (export schema M.N)" when the .pt2's program says it was written in an export schema
+    this torch cannot read (another major version); None when it is this torch's or cannot tell."""
+    try:
+        from torch._export.serde.schema import SCHEMA_VERSION
+
+        with zipfile.ZipFile(path) as zf:
+            programs = [i for i in zf.infolist() if "/models/" in f"/{i.filename}" and i.filename.endswith(".json")]
+            if not programs or programs[0].file_size > MAX_PT2_PROGRAM_BYTES:
+                return None
+            data = zf.read(programs[0])
+    except Exception:  # a hint never fails the error it explains
+        return None
+    schema, made_with = _PT2_SCHEMA.search(data), _PT2_TORCH.search(data)
+    if schema is None or int(schema.group(1)) == SCHEMA_VERSION[0]:
+        return None
+    version = f"{schema.group(1).decode()}.{schema.group(2).decode()}"
+    if made_with is None:
+        return f"a torch that writes export schema {version}"
+    return f"torch {made_with.group(1).decode(errors='replace')} (export schema {version})"
+
+
+def _demangled(name: str) -> str:
+    return re.sub(r"^<torch_package_\d+>\.", "", name)
+
+
+def _mocked_hint(obj: str, when: str) -> str:
+    module = obj.rsplit(".", 1)[0] if "." in obj else obj
+    return (f"the package mocks module {module}, which the model uses {when} ({obj}): save it with "
+            f"exporter.intern({module!r}) (its code goes in the package) or exporter.extern({module!r}) (imported "
+            "where the model runs) instead of exporter.mock")
+
+
+def _refused_by_sandbox(err: BaseException) -> bool:
+    """A process or socket the sandbox's seccomp layer refused: EPERM (fork, vfork, socket) or EAGAIN
+    (clone), raised where the model starts a process or opens a socket. Only inside the sandbox:
+    elsewhere the same errno means something else."""
+    if os.environ.get("FXPORT_SANDBOX") != "1":
+        return False
+    if not isinstance(err, OSError) or err.errno not in (errno.EPERM, errno.EAGAIN):
+        return False
+    import traceback
+
+    for frame in traceback.extract_tb(err.__traceback__):
+        name = os.path.basename(frame.filename)
+        if name in _PROCESS_MODULES or _PROCESS_CALLS.search(frame.line or "") or "_inductor" in frame.filename:
+            return True
+    return False

@@ -12,13 +12,15 @@ files are not part of it: they belong to the call, not to the conversion.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, field_serializer
 
 from fxport.spec import JobSpec
+from fxport.workers.engine.exporters.registry import later_stage_of, later_targets
 
-# Targets a run can leave to a later stage, built from this run's ONNX model (the GPU queue).
+# Targets a run can leave to a later stage, built from this run's ONNX model (the GPU queue): the
+# registry's targets with a `later` stage (tests/workers/engine/test_registry.py keeps them in step).
 DeferredTarget = Literal["tensorrt"]
 
 
@@ -61,14 +63,24 @@ class EngineRequest(BaseModel):
     # -- what the run does, decided here once ----------------------------------------------------
 
     @property
+    def built_later_here(self) -> list[str]:
+        """The later-stage targets (the TensorRT engine) this run builds itself, on this machine."""
+        return [t for t in later_targets(self.spec.targets) if t not in self.deferred_targets]
+
+    @property
+    def later_targets(self) -> list[str]:
+        """The later-stage targets this run makes (and preflights) the ONNX model for, built here or later."""
+        return list(dict.fromkeys([*later_targets(self.spec.targets), *self.deferred_targets]))
+
+    @property
     def builds_tensorrt(self) -> bool:
-        """The TensorRT engine is built in this run (on this machine's GPU)."""
-        return "tensorrt" in self.spec.targets and "tensorrt" not in self.deferred_targets
+        """The TensorRT engine (a later-stage target) is built in this run (on this machine's GPU)."""
+        return bool(self.built_later_here)
 
     @property
     def needs_tensorrt_onnx(self) -> bool:
         """This run makes (and preflights) the ONNX model an engine is built from, here or later."""
-        return "tensorrt" in self.spec.targets or "tensorrt" in self.deferred_targets
+        return bool(self.later_targets)
 
     @property
     def timeout(self) -> float:
@@ -90,18 +102,21 @@ class EngineRequest(BaseModel):
 
 
 def cpu_stage(spec: JobSpec) -> tuple[JobSpec, tuple[DeferredTarget, ...]]:
-    """A worker's CPU stage of `spec`: the spec it runs and the targets it leaves to the GPU queue.
+    """A worker's CPU stage of `spec`: the spec it runs and the targets it leaves to a later stage.
 
-    A job with the tensorrt target makes every other artifact and the ONNX model the engine is
-    built from here, and the engine on the GPU queue. The spec is derived from the validated one
-    (no second validation): tensorrt out, onnx in; with tensorrt the only target, int8 stays in
-    TensorRT's scheme (the onnx target here is only the engine's input)."""
-    if "tensorrt" not in spec.targets:
+    A job with the tensorrt target (a registry target with a `later` stage) makes every other
+    artifact and the ONNX model the engine is built from here, and the engine on the GPU queue.
+    The spec is derived from the validated one (no second validation): the later targets out, onnx
+    in; with a later target the only target, int8 stays in its scheme (the onnx target here is only
+    the engine's input)."""
+    later = later_targets(spec.targets)
+    if not later:
         return spec, ()
-    targets = [t for t in spec.targets if t != "tensorrt"]
+    targets = [t for t in spec.targets if t not in later]
     if "onnx" not in targets:
         targets.append("onnx")
     update: dict[str, Any] = {"targets": targets}
-    if spec.int8_runtimes() == ["tensorrt"]:
-        update["quantization"] = spec.quantization.model_copy(update={"runtime": "tensorrt"})
-    return spec.model_copy(update=update), ("tensorrt",)
+    runtimes = [later_stage_of(t).int8_runtime for t in later]
+    if spec.int8_runtimes() == runtimes:
+        update["quantization"] = spec.quantization.model_copy(update={"runtime": runtimes[0]})
+    return spec.model_copy(update=update), cast("tuple[DeferredTarget, ...]", tuple(later))

@@ -1,5 +1,5 @@
 """The sandbox: every load and forward of a user's model runs in a child process of the worker
-(DESIGN.md §6), inside a boundary made of layers that each hold on their own:
+(docs/architecture.md, "Trust boundaries"), inside a boundary made of layers that each hold on their own:
 
 - nothing to connect to: seccomp refuses sockets of every family and io_uring (unprivileged,
   so also in a Kubernetes pod); an empty network namespace where the worker may make one;

@@ -5,18 +5,27 @@ forked from the warm zygote (`run_request`). Everything before `_report_layers` 
 code with no byte of the model read yet: the layer report it sends is the first line on the
 events channel, and the worker takes only that line as the child's word on its layers
 (sandbox/run.py). After it, nothing the child says about itself is believed.
+
+The operator's custom op libraries (FXPORT_OP_LIBRARIES: torchvision's ops, a shared library of
+one's own) are loaded after the layers are applied and before the model is opened, so their own
+start-up code runs confined too (`load_op_libraries`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fxport.errors import FxportError
 
 # What a job must have before the model runs (request["require"]): a layer's name → the keys of
 # `confine`'s report that make it up.
@@ -34,7 +43,8 @@ def missing_layers(info: dict[str, Any], required: list[str]) -> list[str]:
 def run_request(request_path: str) -> int:
     # Nothing from whoever started us but stdin (/dev/null), stdout and stderr (the job's log).
     os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-    from fxport.workers.sandbox.request import SandboxRequest
+    from fxport.errors import ErrorRecord
+    from fxport.workers.sandbox.request import SandboxRequest, SandboxResult
 
     request = SandboxRequest.model_validate_json(Path(request_path).read_bytes())  # the worker's own words
     work = Path(request_path).parent
@@ -62,15 +72,15 @@ def run_request(request_path: str) -> int:
                + (f" ({errors})" if errors else "") + ". An operator may run jobs without a layer by leaving it "
                "out of FXPORT_SANDBOX_REQUIRE (default seccomp,landlock); `fxport convert --no-sandbox` runs a "
                "model you trust in your own process")
-        _write_result(work, {"ok": False, "error": {
-            "code": "sandbox_unavailable", "stage": "load",
-            "message": f"the sandbox refused to run the model: {why}"}})
+        refused = ErrorRecord(code="sandbox_unavailable", stage="load",
+                              message=f"the sandbox refused to run the model: {why}")
+        _write_result(work, SandboxResult(ok=False, error=refused).to_data())
         return 0
 
     import torch
 
     # A child forked from a parent that ran a multithreaded op can hang in torch's thread pool
-    # (ENVIRONMENT.md); setting the thread count first thing avoids it.
+    # (seen with torch 2.13 on Linux); setting the thread count first thing avoids it.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     stream = os.fdopen(events, "w", buffering=1)
 
@@ -78,26 +88,78 @@ def run_request(request_path: str) -> int:
         stream.write(json.dumps(event) + "\n")
 
     from fxport.errors import FxportError
-    from fxport.text import cause_chain, printable
+    from fxport.text import cause_chain
     from fxport.workers.engine.pipeline import convert_request
 
     try:
+        load_op_libraries(request.op_libraries)  # confined already: their own start-up code runs in the sandbox
         # report.html is drawn by the parent, which may start `dot` (sandbox/run.py)
-        manifest = convert_request(request.engine, on_progress=on_progress, report=False)
-        result: dict[str, Any] = {"ok": True, "manifest": manifest}
+        result = SandboxResult(ok=True, manifest=convert_request(request.engine, on_progress=on_progress,
+                                                                 report=False))
     except FxportError as exc:
-        result = {"ok": False, "error": exc.to_dict()}
+        _hint_unknown_op(exc, request.op_libraries)
+        result = SandboxResult(ok=False, error=exc.record())
     except MemoryError:
-        result = {"ok": False, "error": {"code": "resource_limit", "stage": None,
-                                         "message": "the model ran out of its memory limit"}}
+        result = SandboxResult(ok=False, error=ErrorRecord(code="resource_limit",
+                                                           message="the model ran out of its memory limit"))
     except Exception as exc:
         traceback.print_exc()
-        result = {"ok": False, "error": {"code": "conversion_failed", "stage": None,
-                                         "message": printable(f"internal error: {type(exc).__name__}: {exc}"),
-                                         "detail": cause_chain(exc)}}
-    _write_result(work, result)
+        result = SandboxResult(ok=False, error=ErrorRecord(
+            code="conversion_failed", message=f"internal error: {type(exc).__name__}: {exc}",
+            detail=cause_chain(exc)))
+    _write_result(work, result.to_data())
     stream.close()
     return 0
+
+
+def load_op_libraries(entries: Sequence[str]) -> None:
+    """Load the custom op libraries (FXPORT_OP_LIBRARIES) into this process, in order, and note
+    them for its manifest (fxport.toolchain.note_op_libraries): a shared library (an absolute
+    path) with torch.ops.load_library, a module by importing it, which registers its ops
+    (torchvision: torchvision::nms, roi_align, ...). Raises ConversionFailed naming the entry
+    that could not be loaded and what to do; nothing of the model has been read yet."""
+    if not entries:
+        return
+    import importlib
+
+    import torch
+
+    from fxport.errors import ConversionFailed
+    from fxport.toolchain import note_op_libraries, op_library_records
+
+    for entry in entries:
+        try:
+            if entry.startswith("/"):
+                torch.ops.load_library(entry)
+            else:
+                importlib.import_module(entry)
+        except Exception as exc:  # OSError (dlopen), ImportError, or whatever the library's start-up raised
+            where = ("a shared library readable by the worker, built for this torch"
+                     if entry.startswith("/") else "a module installed in the worker's Python environment")
+            raise ConversionFailed(
+                f"the op library {entry!r} (FXPORT_OP_LIBRARIES) could not be loaded: {type(exc).__name__}: "
+                f"{str(exc)[:500]}", stage="load", field="FXPORT_OP_LIBRARIES",
+                hint=f"an operator makes each entry {where}, or removes it from FXPORT_OP_LIBRARIES") from exc
+    note_op_libraries(op_library_records(entries))
+
+
+# torch.jit.load: "Unknown builtin op: torchvision::nms."; a graph calling torch.ops.NS.NAME:
+# "'_OpNamespace' 'torchvision' object has no attribute 'nms'"
+_UNKNOWN_OP = re.compile(r"Unknown builtin op: ([\w:.]+?)\.?(?:\s|$)"
+                         r"|'_OpNamespace' '(\w+)' object has no attribute '(\w+)'")
+
+
+def _hint_unknown_op(exc: FxportError, loaded: Sequence[str]) -> None:
+    """A model that calls a custom op no loaded library registers: say which op, which libraries
+    this child loaded, and that FXPORT_OP_LIBRARIES is where its library goes."""
+    found = _UNKNOWN_OP.search(exc.message)
+    if found is None:
+        return
+    op = found.group(1) or f"{found.group(2)}::{found.group(3)}"
+    exc.hint = (f"the model calls the custom op {op}, which no loaded op library registers (FXPORT_OP_LIBRARIES: "
+                f"{', '.join(loaded) or 'none set'}): the worker's operator adds the library that defines it to "
+                "FXPORT_OP_LIBRARIES (a module such as torchvision, or an absolute path to a shared library); "
+                "`fxport convert` reads the same variable")
 
 
 def _report_layers(events: int, info: dict[str, Any]) -> None:
@@ -105,6 +167,7 @@ def _report_layers(events: int, info: dict[str, Any]) -> None:
 
 
 def _write_result(work: Path, result: dict[str, Any]) -> None:
+    """result.json: SandboxResult.to_data() (a plain mapping the worker reads as untrusted data)."""
     (work / "result.json").write_text(json.dumps(result, default=str))
 
 
@@ -115,9 +178,10 @@ if __name__ == "__main__":
         die_with_parent(int(os.environ["FXPORT_SANDBOX_PARENT"]))
     exit_code = run_request(sys.argv[1])
     # result.json and the events are written and closed. The interpreter's own teardown, freeing
-    # what torch and the exporters built, took 1.0 s of a cold ResNet-18 job while the worker or
-    # `fxport convert` waited on the exit (0.4 s after `import torch` alone): skip it, as the
-    # zygote's forked children do. The model may have swapped the streams: flush those and the originals.
+    # what torch and the exporters built, is a large share of a small job while the worker or
+    # `fxport convert` waits on the exit (docs/benchmarks.md, "Costs the code is shaped around"):
+    # skip it, as the zygote's forked children do. The model may have swapped the streams: flush
+    # those and the originals.
     for stream in {id(s): s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__) if s}.values():
         try:
             stream.flush()

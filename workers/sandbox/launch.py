@@ -206,7 +206,7 @@ def _alive(pidfd: int) -> bool:
 
 class WarmSandbox:
     """A warm parent (the zygote) with torch, onnx and the engine imported, forking one child
-    per job (DESIGN.md §8): a job pays a fork (milliseconds), not an interpreter start and
+    per job (docs/architecture.md, "Speed"): a job pays a fork (milliseconds), not an interpreter start and
     `import torch` (seconds). The zygote itself starts with the scrubbed environment, so no
     child can inherit a credential, and it never runs a torch op, so forking is safe."""
 

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,12 +30,14 @@ from pydantic import ValidationError
 
 from fxport import errors
 from fxport.manifest import Manifest
+from fxport.manifest_sections import Sandbox
+from fxport.toolchain import configured_op_libraries
 from fxport.workers.engine.request import EngineRequest, TimingCachePaths
 from fxport.workers.sandbox import beneath, layers
 from fxport.workers.sandbox import launch as launcher
 from fxport.workers.sandbox.confine import MAX_FILE_BYTES
 from fxport.workers.sandbox.events import EventPump
-from fxport.workers.sandbox.request import SandboxLimits, SandboxRequest
+from fxport.workers.sandbox.request import SandboxLimits, SandboxRequest, SandboxResult
 
 log = logging.getLogger("fxport.workers.sandbox")
 
@@ -55,14 +57,6 @@ MAX_MANIFEST_STRING = 64 << 10
 MAX_MANIFEST_DEPTH = 32
 LOG_TAIL_BYTES = 4000
 
-_ERROR_TYPES: dict[str, type[errors.FxportError]] = {
-    cls.code: cls
-    for cls in (
-        errors.FxportError, errors.InvalidInput, errors.UnsupportedModelFormat, errors.CaptureFailed,
-        errors.ConversionFailed, errors.VerificationFailed, errors.ResourceLimitExceeded,
-        errors.SandboxUnavailable,
-    )
-}
 
 
 def required_layers() -> list[str]:
@@ -75,11 +69,15 @@ def required_layers() -> list[str]:
     return [name.strip() for name in raw.split(",") if name.strip() and name.strip() != "none"]
 
 
-def readable_inputs(model_path: Path, calibration_path: Path | None, timing_cache: Path | None) -> list[Path]:
+def readable_inputs(model_path: Path, calibration_path: Path | None, timing_cache: Path | None,
+                    op_libraries: Sequence[str] = ()) -> list[Path]:
     """What the child may read of the job's inputs: each file alone; an ONNX model's folder
-    (its external data lies beside it under names the model chooses)."""
+    (its external data lies beside it under names the model chooses); and each op library that
+    is a shared library, the file alone (dlopen reads and maps it; a module's package is among
+    the installed packages every child reads already)."""
     paths = [model_path.parent if model_path.suffix == ".onnx" else model_path]
     paths += [p for p in (calibration_path, timing_cache) if p is not None]
+    paths += [Path(entry) for entry in op_libraries if entry.startswith("/")]
     return [p.resolve() for p in paths]
 
 
@@ -91,7 +89,8 @@ def run_engine_job(
     cancel_event: threading.Event | None = None,
     work_parent: Path | None = None,
     warm: bool | None = None,
-) -> dict[str, Any]:
+    op_libraries: Sequence[str] | None = None,
+) -> Manifest:
     """Run the engine on `request` in a sandboxed child. Returns the manifest; raises FxportError.
 
     `request.out_dir` gets the artifacts, manifest.json and report.html; the child has
@@ -100,7 +99,9 @@ def run_engine_job(
     system temp dir by default). Setting `cancel_event` kills the child at once and raises
     JobCancelled. After a TensorRT build the merged timing cache is left at
     `request.timing_cache.write`. `warm`: fork from the warm zygote (default: FXPORT_SANDBOX_MODE)
-    or start a fresh interpreter."""
+    or start a fresh interpreter. `op_libraries`: the custom op libraries the child loads before
+    the model (default: this process's FXPORT_OP_LIBRARIES; a worker passes its settings')."""
+    libraries = configured_op_libraries() if op_libraries is None else list(op_libraries)
     out_dir = request.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     launcher.hide_parent_environment()
@@ -108,7 +109,7 @@ def run_engine_job(
     work = Path(tempfile.mkdtemp(prefix="fxport-sandbox-", dir=work_parent))  # 0700, this job's alone
     child = _Child(job_id, work, on_progress, warm)
     try:
-        manifest = _run_checked(request, child, isolate_network, cancel_event)
+        manifest = _run_checked(request, child, isolate_network, cancel_event, libraries)
     except Exception:
         # A failed job still publishes manifest.json and report.html (workers/jobs.py): the
         # worker's own, whatever the child (or a thread it left running) put there.
@@ -119,11 +120,11 @@ def run_engine_job(
     with beneath.opened_dir(out_dir) as out_fd:
         beneath.replace_file(out_fd, "manifest.json", manifest.to_json().encode())
     draw_report(out_dir)
-    return manifest.to_dict()
+    return manifest
 
 
 def _run_checked(request: EngineRequest, child: _Child, isolate_network: bool,
-                 cancel_event: threading.Event | None) -> Manifest:
+                 cancel_event: threading.Event | None, op_libraries: Sequence[str] = ()) -> Manifest:
     """Run `child` on `request` in its folder and return the manifest it reported, with the
     worker's record of the layers, once every file it lists in out_dir has been checked."""
     out_dir, work, timeout, memory = request.out_dir, child.work, request.timeout, request.memory_bytes
@@ -139,36 +140,47 @@ def _run_checked(request: EngineRequest, child: _Child, isolate_network: bool,
         engine=engine,
         limits=SandboxLimits(memory_bytes=memory, cpu_seconds=int(timeout) + 1, isolate_network=isolate_network),
         events_path=events_path,
-        readable=readable_inputs(request.model_path, request.calibration_path, timing_cache),
+        readable=readable_inputs(request.model_path, request.calibration_path, timing_cache, op_libraries),
         require=required_layers(),
+        op_libraries=list(op_libraries),
     )
     (work / "request.json").write_text(sandbox_request.model_dump_json())
     try:
         disk = DiskWatch((work, out_dir), request.max_output_bytes, MAX_SANDBOX_ENTRIES)
         rc = child.run(launcher.scrubbed_env(work), timeout, cancel_event, disk)
         with beneath.opened_dir(work) as work_fd:
-            result = _read_result(work_fd, rc, child, memory, timeout)
+            raw = _read_result(work_fd, rc, child, memory, timeout)
     finally:
         box = child.sandbox_record()
         layers.log_layers(child.job_id, box)
     if request.timing_cache is not None:
-        _take_timing_cache(out_dir, request.timing_cache.write, keep=bool(result.get("ok")))
-    if not result.get("ok"):
-        error = result.get("error")
-        err = error if isinstance(error, dict) else {}
-        if err.get("code") == "resource_limit":
+        _take_timing_cache(out_dir, request.timing_cache.write, keep=raw.get("ok") is True)
+    result = _child_result(raw)
+    if result.error is not None:
+        if result.error.code == "resource_limit":
             _count_failure("memory")
-        cls = _ERROR_TYPES.get(err.get("code", ""), errors.ConversionFailed)  # no code, or an unknown one
-        raise cls(str(err.get("message") or "conversion failed")[:4000], stage=_str(err.get("stage")),
-                  detail=_str(err.get("detail")), field=_str(err.get("field")))
+        raise errors.ConversionFailed.from_record(result.error)  # the class its code names; ConversionFailed if none
+    assert result.manifest is not None  # _child_result: one or the other
+    manifest = result.manifest
+    manifest.sandbox = Sandbox.model_validate(box)  # the worker's record; whatever the child wrote there is dropped
     try:
-        manifest = _child_manifest(result.get("manifest"))
-        manifest.sandbox = box  # the worker's record; whatever the child wrote there is dropped
         _validate_outputs(manifest, out_dir, request.max_output_bytes)
     except errors.FxportError:
         _count_failure("invalid_output")
         raise
     return manifest
+
+
+def _child_result(raw: dict[str, Any]) -> SandboxResult:
+    """result.json as the type it is written in, read as untrusted data: an error record cut to
+    size (_child_error), or a manifest of bounded shape (_child_manifest), never both."""
+    if raw.get("ok") is not True:
+        return SandboxResult(ok=False, error=_child_error(raw.get("error")))
+    try:
+        return SandboxResult(ok=True, manifest=_child_manifest(raw.get("manifest")))
+    except errors.FxportError:
+        _count_failure("invalid_output")
+        raise
 
 
 def _child_manifest(data: Any) -> Manifest:
@@ -424,7 +436,7 @@ def _keep_failed_outputs(out_dir: Path, box: dict[str, Any]) -> None:
             except (OSError, ValueError, RecursionError, errors.FxportError):  # a ValidationError is a ValueError
                 _unlink_at(out_fd, "manifest.json")
                 return
-            manifest.sandbox = box
+            manifest.sandbox = Sandbox.model_validate(box)
             beneath.replace_file(out_fd, "manifest.json", manifest.to_json().encode())
     except (OSError, errors.FxportError) as exc:
         log.warning("a failed job's manifest could not be rewritten: %s", exc)
@@ -470,6 +482,19 @@ def _count_failure(reason: str) -> None:
     except ImportError:
         return
     METRICS.record_sandbox_failure(reason)
+
+
+def _child_error(raw: Any) -> errors.ErrorRecord:
+    """The error the child reported, as a record whatever it wrote (the child is untrusted):
+    strings cut to their limits, a malformed record read as a failed conversion."""
+    try:
+        record = errors.ErrorRecord.model_validate(raw if isinstance(raw, dict) else {})
+    except ValidationError:
+        record = errors.ErrorRecord(code="conversion_failed")
+    return record.model_copy(update={
+        "message": record.message[:4000] or "conversion failed",
+        "stage": _str(record.stage), "detail": _str(record.detail), "field": _str(record.field),
+    })
 
 
 def _death_error(rc: int, stage: str, memory: int, timeout: float, log_tail: str) -> errors.FxportError:

@@ -27,7 +27,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from fxport.workers.sandbox.spare import Spare
 
 _out_lock = threading.Lock()
 PARENT = os.getppid()
@@ -246,7 +249,18 @@ def probe_job(tmp: str) -> Callable[[], object]:
 def main() -> None:
     # onnxruntime's telemetry keeps a database open read-write in $HOME: never in the zygote.
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
-    # Import everything a job needs once; forked children share these pages copy-on-write.
+    _import_what_jobs_need()
+    try:
+        warm_up()
+    except Exception:  # a failed warm-up only costs speed
+        traceback.print_exc()
+    spare, ready = _settle()
+    _say(ready)
+    _serve(spare)
+
+
+def _import_what_jobs_need() -> None:
+    """Import everything a job needs once; forked children share these pages copy-on-write."""
     import logging
 
     import onnx  # noqa: F401
@@ -256,7 +270,6 @@ def main() -> None:
     import fxport.workers.engine.pipeline  # noqa: F401
     import fxport.workers.sandbox.child  # noqa: F401
     from fxport.workers.sandbox.confine import _ARCHES, python_read_paths, release_stale_task_bounds, seccomp_template
-    from fxport.workers.sandbox.spare import Pages, Spare, learn_pages
 
     python_read_paths()  # what every child's Landlock rules grant: made once here
     if platform.machine() in _ARCHES:
@@ -281,10 +294,13 @@ def main() -> None:
         tqdm.tqdm.set_lock(threading.RLock())
     except ImportError:
         pass
-    try:
-        warm_up()
-    except Exception:  # a failed warm-up only costs speed
-        traceback.print_exc()
+
+
+def _settle() -> tuple[Spare, dict[str, Any]]:
+    """After the warm-up: freeze the heap, move it to huge pages, learn the pages a job's child
+    writes (the spares). Returns the Spare and the zygote's `ready` message."""
+    from fxport.workers.sandbox.spare import Pages, Spare, learn_pages
+
     # Everything imported and warmed up so far goes to the collector's permanent generation: a
     # child's collections then never walk (and so never write to, copying page after page) the
     # zygote's objects. Measured on a tiny job: see bench/bench_sandbox.py.
@@ -299,9 +315,13 @@ def main() -> None:
     spare = Spare(pages, _child)
     # Threads the imports start (torch's and onnxruntime's own) stay idle; a fork copies only this one.
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    _say({"ready": True, "threads": threads, "huge_pages": huge, "spare": learned})
-    # Until the worker closes our stdin (it ended, or closed the sandbox): then this process
-    # exits, and every child still running dies with it (confine.die_with_parent).
+    return spare, {"ready": True, "threads": threads, "huge_pages": huge, "spare": learned}
+
+
+def _serve(spare: Spare) -> None:
+    """One child per job request read from stdin, until the worker closes our stdin (it ended, or
+    closed the sandbox): then this process exits, and every child still running dies with it
+    (confine.die_with_parent)."""
     zygote = os.getpid()
     req: dict | None = None
     while True:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxport.workers.engine.pipeline import _records_of
+from fxport.workers.engine.publish import records_of
 
 
 def _artifacts(out: Path) -> list[tuple[str, Path, str | None]]:
@@ -46,7 +46,7 @@ def test_every_file_is_recorded_with_its_own_size_and_digest(tmp_path: Path, mon
         real_start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    records = _records_of(artifacts, tmp_path)
+    records = records_of(artifacts, tmp_path)
     assert [(r.format, r.path, r.bytes, r.sha256) for r in records] == _expected(tmp_path)
     assert [r.int8_scheme for r in records] == [None, "onnxruntime", "onnxruntime", None, None]
     assert bool(started) is threads_start  # side by side when threads start, and only then

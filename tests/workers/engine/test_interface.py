@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnxruntime as ort
@@ -190,9 +191,9 @@ def test_the_opset_the_exporter_reports_is_the_one_in_the_file(tmp_path, monkeyp
     reported: list[int | None] = []
     real = onnx_exporter.check_onnx
 
-    def spy(path: Path, asked: int, written_opset: int | None = None) -> Path:
+    def spy(path: Path, asked: int, written_opset: int | None = None, **kw: Any) -> Path:
         reported.append(written_opset)
-        return real(path, asked, written_opset)
+        return real(path, asked, written_opset, **kw)
 
     monkeypatch.setattr(onnx_exporter, "check_onnx", spy)
     case = get("tiny_linear")

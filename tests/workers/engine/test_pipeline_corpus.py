@@ -13,7 +13,8 @@ import pytest
 
 from fxport.digest import sha256_file
 from fxport.spec import parse_spec
-from fxport.workers.engine.pipeline import WRITING_DIR, convert
+from fxport.workers.engine.pipeline import convert
+from fxport.workers.engine.publish import WRITING_DIR
 from tests.models import CORPUS
 from tests.workers.engine.conftest import save_package, save_pt2, spec_dict
 

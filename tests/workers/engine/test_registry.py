@@ -3,19 +3,46 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
+from fxport.jobs import STAGES
 from fxport.spec import TARGETS, InputSpec
 from fxport.workers.engine.exporters import REGISTRY
-from fxport.workers.engine.exporters.registry import TENSORRT_ONNX
+from fxport.workers.engine.exporters.registry import (
+    TENSORRT_ONNX,
+    exported_targets,
+    later_stage,
+    later_stage_of,
+    later_targets,
+)
 from fxport.workers.engine.inputs import InputSignature
+from fxport.workers.engine.request import DeferredTarget
 from fxport.workers.jobs import artifact_format
 
 
-def test_every_spec_target_but_the_engine_has_an_entry():
-    # tensorrt is built by its own stage (workers/engine/tensorrt), from the onnx entry's model
-    assert set(TARGETS) - {"tensorrt"} == set(REGISTRY) - {TENSORRT_ONNX}
+def test_every_spec_target_has_an_entry():
+    # TENSORRT_ONNX is not the user's: the int8 ONNX model the engine is built from, beside model.onnx
+    assert set(TARGETS) == set(REGISTRY) - {TENSORRT_ONNX}
+
+
+def test_the_engine_is_built_by_a_later_stage_from_an_onnx_entry():
+    """tensorrt is not written by the export stage: its own stage (queue gpu) builds it from the
+    ONNX model, and every target a later stage reads is an ONNX entry the export stage writes."""
+    assert exported_targets(REGISTRY) == [t for t in REGISTRY if t != "tensorrt"]
+    assert later_targets(TARGETS) == ["tensorrt"]
+    stage = later_stage_of("tensorrt")
+    assert (stage.name, stage.queue) == ("tensorrt", "gpu") and later_stage("tensorrt") is stage
+    assert stage.source_paths == ("model.tensorrt.onnx", "model.onnx")
+    assert all(REGISTRY[s].onnx and REGISTRY[s].from_graph is not None for s in stage.sources)
+    assert stage.name in STAGES
+    with pytest.raises(ValueError, match="unknown stage"):
+        later_stage("export")
+
+
+def test_deferrable_targets_are_the_later_stage_targets():
+    assert set(get_args(DeferredTarget)) == set(later_targets(REGISTRY))
 
 
 def test_paths_are_distinct_and_name_their_format():

@@ -16,6 +16,7 @@ from fxport.spec import parse_spec
 from fxport.workers.engine import pipeline
 from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
 from fxport.workers.engine.inputs import resolve_signature
+from fxport.workers.engine.samples import Checks
 from fxport.workers.engine.verify.runners import EagerRunner, ReferenceOutputs
 from tests.models import get
 from tests.workers.engine.conftest import save_pt2, spec_dict
@@ -80,7 +81,7 @@ def test_trace_checks_are_verification_inputs_at_other_shapes_than_the_example()
     case = get("tiny_linear")
     spec = parse_spec(spec_dict(case, targets=("torchscript",), batch=(1, 2, 8)))
     sig = resolve_signature(spec, None)
-    checks = pipeline._Checks(sig, spec, ReferenceOutputs(nn.Identity()))
+    checks = Checks(sig, spec, ReferenceOutputs(nn.Identity()))
     by_id = {id(p.args): p.dims for p in checks.points}
     assert sig.export_point() == {"batch": 2}
     assert [by_id[id(args)] for args in checks.trace_checks()] == [{"batch": 1}, {"batch": 8}]

@@ -10,7 +10,7 @@ import torch
 from torch.export import Dim, export
 from torch.fx import GraphModule
 
-from fxport.spec import PASS_CATALOG
+from fxport.pass_catalog import PASS_CATALOG
 from fxport.workers.engine.passes import PassContext, PassResult, load_pass
 
 # "aten" is what torch.export emits; "aten_decomposed" is the same after run_decompositions()

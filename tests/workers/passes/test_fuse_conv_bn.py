@@ -534,7 +534,7 @@ def test_levit_style_model_has_no_batchnorm_left(level):
 
 def test_look_through_off_leaves_the_batchnorms_behind_a_flatten():
     """The switch bench/bench_fold_bn.py measures "before" with: only plain Conv → BN folds."""
-    from fxport.spec import FuseConvBnOptions
+    from fxport.pass_catalog import FuseConvBnOptions
     from fxport.workers.engine.passes.fuse_conv_bn import fuse_conv_bn
     from tests.workers.passes.conftest import context
 
@@ -571,7 +571,7 @@ def test_look_through_off_leaves_the_batchnorms_behind_a_flatten():
 )
 def test_torch_level_channel_axis_rules(kind, params, axis, ranks, expected):
     """Where each torch-level shape op puts 6 channels at `axis`, for every input shape, or why unknown."""
-    from fxport.workers.engine.passes.fuse_conv_bn import _torch_channel_axis, _Unproven
+    from fxport.workers.engine.passes.fuse_conv_bn.shapes import _torch_channel_axis, _Unproven
 
     if isinstance(expected, int):
         assert _torch_channel_axis(kind, params, axis, *ranks, channels=6) == expected

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxport.spec import DEFAULT_PASSES, PASS_CATALOG, PassSpec
+from fxport.pass_catalog import DEFAULT_PASSES, PASS_CATALOG
+from fxport.spec import PassSpec
 from fxport.workers.engine.passes import run_passes
 from tests.workers.passes.conftest import assert_close, capture, context, randomize_batchnorm
 from tests.workers.passes.test_fuse_conv_bn import ResNetLike

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fxport.spec import ProfileNodesOptions
+from fxport.pass_catalog import ProfileNodesOptions
 from fxport.workers.engine.passes import PassContext
 from fxport.workers.engine.passes.profile_nodes import profile_nodes
 from tests.workers.passes.conftest import assert_close, capture, context

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
-from fxport.spec import SUBSTITUTIONS, SubstituteOpsOptions
+from fxport.pass_catalog import SUBSTITUTIONS, SubstituteOpsOptions
 from fxport.workers.engine.passes import PassContext
 from fxport.workers.engine.passes.substitute_ops import SWAPS, substitute_ops
 from tests.workers.passes.conftest import apply, assert_close, call_targets, capture

@@ -185,7 +185,7 @@ def test_job_flow_through_the_sandbox_and_the_shared_cache_in_the_store(gpu, tmp
     statuses = []
     for _ in range(2):
         spec = parse_spec(spec_dict(case, targets=("tensorrt",), verify={"samples": 2}))
-        rec, _ = jobs.create(JobRecord(id=new_job_id(), tenant="default", spec=spec.normalized(),
+        rec, _ = jobs.create(JobRecord(id=new_job_id(), tenant="default", spec=spec,
                                        spec_digest=spec.digest(),
                                        model=InputRef(sha256=sha, bytes=pt2.stat().st_size, filename="m.pt2",
                                                       key=input_key("default", sha))))

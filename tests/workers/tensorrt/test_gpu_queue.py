@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from fxport.config import Settings
-from fxport.workers.celery_app import BUILD_TENSORRT, RUN_JOB, STAGE_TASKS, create_celery_app, route_for
+from fxport.task_queue import BUILD_TENSORRT, RUN_JOB, STAGE_TASKS, create_celery_app, route_for
 from fxport.workers.queue_consumers import ConsumerHeartbeat, queue_has_consumers, waiting_message
 
 

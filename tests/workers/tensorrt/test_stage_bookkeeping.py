@@ -14,6 +14,7 @@ import pytest
 from fxport.config import Settings
 from fxport.errors import ConversionFailed
 from fxport.jobs import InputRef, JobRecord, JobState, SqliteJobStore, new_job_id
+from fxport.manifest import Manifest
 from fxport.spec import parse_spec
 from fxport.storage import FileStore, input_key
 from fxport.workers.engine.tensorrt import timing_cache as tc
@@ -51,7 +52,7 @@ def cpu_engine(calls: list):
                     "verification": [{"format": "onnx", "passed": True}], "inputs": SIG, "warnings": [],
                     "tensorrt": {"preflight": {"ok": True, "errors": []}}, "toolchain": {"torch": "2.13.0"}}
         (out_dir / "manifest.json").write_text(json.dumps(manifest))
-        return manifest
+        return Manifest.model_validate(manifest)
     return engine
 
 
@@ -107,7 +108,7 @@ def test_gpu_stage_gets_the_signature_and_the_shared_cache_and_publishes_it(ctx,
                     "toolchain": {"tensorrt": "10.15.1.29"}, "timings_s": {"tensorrt": 2.0}, "warnings": []}
         (out_dir / "manifest.json").write_text(json.dumps(manifest))
         (out_dir / "report.html").write_text("stage-only report")
-        return manifest
+        return Manifest.model_validate(manifest)
 
     ctx.engine = gpu_engine
     done = execute_stage("tensorrt", rec.id, ctx)
@@ -165,7 +166,7 @@ def test_gpu_stage_builds_from_the_tensorrt_onnx_when_int8_made_one_for_each_run
         manifest = {"artifacts": arts, "verification": [{"format": "onnx", "passed": True}], "inputs": SIG,
                     "warnings": [], "tensorrt": {"preflight": {"ok": True, "errors": []}}}
         (out_dir / "manifest.json").write_text(json.dumps(manifest))
-        return manifest
+        return Manifest.model_validate(manifest)
 
     seen: dict = {}
 
@@ -175,7 +176,7 @@ def test_gpu_stage_builds_from_the_tensorrt_onnx_when_int8_made_one_for_each_run
         art = _write(out_dir, "model.engine", b"engine", "tensorrt")
         manifest = {"artifacts": [art], "verification": [{"format": "tensorrt", "passed": True}], "warnings": []}
         (out_dir / "manifest.json").write_text(json.dumps(manifest))
-        return manifest
+        return Manifest.model_validate(manifest)
 
     ctx.engine = cpu_int8_engine
     rec = submit(ctx, {"targets": ["onnx", "tensorrt"], "precision": "int8"})

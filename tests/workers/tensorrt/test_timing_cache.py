@@ -1,7 +1,7 @@
 """Shared timing cache: key derivation, device probing, fetch/publish through a real FileStore,
 and the discard-never-fail rules of loading a cache into a builder config.
 
-TensorRT is not installable here (ENVIRONMENT.md), so the builder-config side is exercised
+TensorRT cannot be installed without a GPU (it is the optional `gpu` extra), so the builder-config side is exercised
 with a stand-in that has IBuilderConfig's timing-cache methods and their documented results
 (create_timing_cache → None or raises on bytes it cannot read; set_timing_cache → False for
 another device's cache). The real thing runs in the gpu tests.
@@ -98,7 +98,7 @@ def test_probe_without_tensorrt_or_nvidia_smi_is_none(monkeypatch):
 
 def test_this_cpu_machine_is_not_identified():
     tc._probe.cache_clear()
-    assert tc.probe_device_identity(run=subprocess.run, env={}) is None  # no tensorrt here (ENVIRONMENT.md)
+    assert tc.probe_device_identity(run=subprocess.run, env={}) is None  # no tensorrt on a CPU-only machine
     tc._probe.cache_clear()
 
 

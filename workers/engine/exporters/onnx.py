@@ -86,7 +86,7 @@ class OnnxFromGraphModule:
             except Exception as again:
                 raise self._failed(again, log) from again
         # the opset the exporter wrote, from its own model: reading it from the file would parse
-        # the whole file again (56 ms for a ResNet-18), after the checker's own parse
+        # the whole file again, after the checker's own parse
         written = getattr(getattr(program, "model", None), "opset_imports", {}).get("")
         return self._checked(path, written if isinstance(written, int) else None)
 
@@ -117,7 +117,10 @@ class OnnxFromGraphModule:
         )
 
     def _checked(self, path: Path, written_opset: int | None = None) -> Path:
-        return check_onnx(path, self.opset, written_opset)
+        return check_onnx(path, self.opset, written_opset, single_file=self.single_file, notes=self._notes)
+
+    def _notes(self, note: str) -> None:
+        self.note = f"{self.note}; {note}" if self.note else note
 
     def _export_from_trace(self, path: Path) -> None:
         from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
@@ -141,10 +144,48 @@ class OnnxFromGraphModule:
             ) from exc
 
 
-def check_onnx(path: Path, opset: int, written_opset: int | None = None) -> Path:
-    """onnx.checker's full check, and the opset asked for (`written_opset`: the one the exporter
-    says it wrote; read from the file when None). Raises ConversionFailed."""
+# What one ONNX file can hold: a protobuf message is limited to 2 GiB.
+PROTOBUF_LIMIT = 2 << 30
+
+
+def as_one_file(path: Path, limit: int = PROTOBUF_LIMIT) -> str | None:
+    """Keep `spec.onnx.single_file`: torch's exporter moves the weights to an external data file
+    past about 1.5 GB whatever it is asked. Such weights are put back into the model file while
+    they fit in one protobuf (`limit`); past it the export fails, naming the limit and the way out.
+    Returns a note for the manifest when the file was rewritten, else None."""
     import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    external = [t for t in model.graph.initializer if uses_external_data(t)]
+    if not external:
+        return None
+    files = {path.parent / e.value for t in external for e in t.external_data if e.key == "location"}
+    size = sum(f.stat().st_size for f in files if f.is_file())
+    if size + model.ByteSize() >= limit:
+        raise ConversionFailed(
+            f"the ONNX model's weights are {size} bytes: one ONNX file holds at most {limit} bytes (protobuf's "
+            "limit), and spec.onnx.single_file is true", stage="export",
+            hint="set onnx.single_file: false to get model.onnx with its weights in an external data file beside it")
+    onnx.load_external_data_for_model(model, str(path.parent))
+    onnx.save_model(model, str(path), save_as_external_data=False)
+    for f in files:
+        f.unlink(missing_ok=True)
+    return (f"the exporter wrote {size} bytes of weights to an external data file; they were put back into "
+            "model.onnx (spec.onnx.single_file)")
+
+
+def check_onnx(path: Path, opset: int, written_opset: int | None = None, *, single_file: bool = False,
+               notes: Callable[[str], None] | None = None) -> Path:
+    """onnx.checker's full check, and the opset asked for (`written_opset`: the one the exporter
+    says it wrote; read from the file when None). `single_file`: the weights in model.onnx itself
+    (as_one_file; what it did goes to `notes`). Raises ConversionFailed."""
+    import onnx
+
+    if single_file:
+        note = as_one_file(path)
+        if note is not None and notes is not None:
+            notes(note)
 
     try:
         onnx.checker.check_model(str(path), full_check=True)

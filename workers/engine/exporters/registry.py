@@ -1,9 +1,26 @@
-"""The export targets, one entry each: where the artifact goes, what writes it, what runs it to
-verify it, and what it does past the spec's ranges.
+"""The targets, one entry each: where the artifact goes, what makes it, what runs it to verify it,
+and what it does past the spec's ranges.
 
-Adding a target is one `Target` here, its exporter and its runner; the pipeline reads everything
-else from the entry. (The spec's list of target names, `fxport.spec.TARGETS`, lives in the client
-install, which never imports the engine: tests/workers/engine/test_registry.py keeps the two in step.)
+Two kinds of target:
+- written by the export stage (torchscript, onnx, exported_program, fx_source): `from_graph` (and
+  `from_eager` where the eager model can give it) writes the artifact, `runner` runs it in the
+  verify and benchmark stages;
+- built after the CPU stage (tensorrt): `later` says by which job stage (its own task on its own
+  worker queue, "gpu"), from which ONNX model (`later.sources`), and how it is preflighted where
+  that ONNX is made, built, recorded and verified (`later.build`); `runner` runs it to benchmark it.
+  A worker's CPU stage defers it (request.cpu_stage), the pipeline preflights its ONNX model, and
+  workers/jobs.py hands the job to that stage; `fxport convert` on a machine that can build it
+  builds it in the same run.
+
+Adding a target:
+1. its name in the spec's list, `fxport.spec.TARGETS` (the client install, which never imports the
+   engine; tests/workers/engine/test_registry.py keeps the two in step);
+2. its exporter (exporters/<name>.py, a `<Output>From<Input>` class) and its runner
+   (verify/runners.py), each imported lazily by a small function below;
+3. one `Target` in REGISTRY: name, path in the output folder, `from_graph`, `runner` — and
+   `from_eager`, `onnx`, `past_range` where they apply. A target built from the ONNX model in a
+   stage of its own gets `from_graph=None` and a `LaterStage` instead, like tensorrt.
+The pipeline, the request, the worker and the CLI read everything else from the entry.
 
 Exporters and runners are imported when a target is written or run, never here: importing the
 registry costs nothing, and a job pays only for the targets it asks for.
@@ -11,12 +28,15 @@ registry costs nothing, and a job pays only for the targets it asks for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fxport.jobs import Stage
+
 if TYPE_CHECKING:
+    from fxport.manifest import Manifest
     from fxport.spec import JobSpec
     from fxport.workers.engine.inputs import InputSignature
     from fxport.workers.engine.verify.runners import Runner
@@ -66,14 +86,39 @@ Writer = Callable[[ExportJob, Path], tuple[Path, str]]  # (job, path) -> (what w
 
 
 @dataclass(frozen=True)
+class LaterStage:
+    """How a target the export stage does not write is made: after the CPU stage, by a job stage of
+    its own (its own task, on its own worker queue), from the ONNX model the CPU stage exported,
+    verified and preflighted."""
+
+    name: str  # the job stage that builds it (a fxport.jobs Stage), also its progress events' stage
+    queue: str  # the worker queue that stage's task runs on
+    label: str  # how messages name it: "TensorRT preflight"
+    sources: tuple[str, ...]  # the REGISTRY targets whose ONNX model it is built from, in order of preference
+    int8_runtime: str  # the int8 scheme (quantize/scheme.py) of the ONNX model it is built from
+    unavailable: Callable[[], str | None]  # why this machine cannot build it; None when it can
+    # (manifest, ONNX model, precision): records its findings; raises on what the build would reject
+    preflight: Callable[[Manifest, Path, str], object]
+    # (manifest, emit, *, onnx_path, sig, spec, path, reference, reference_label, points, timing_cache):
+    # builds the artifact at `path`, records it in the manifest and verifies it against `reference`
+    build: Callable[..., Path]
+
+    @property
+    def source_paths(self) -> tuple[str, ...]:
+        """The file names of `sources`, in the same order (what a worker's later stage downloads)."""
+        return tuple(REGISTRY[s].path for s in self.sources)
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     path: str  # its name in the output folder (a folder for fx_source)
-    from_graph: Writer
+    from_graph: Writer | None  # None: the export stage does not write it (`later` builds it)
     runner: Callable[[Path, InputSignature], Runner]
     from_eager: Writer | None = None  # None: needs a captured graph
     onnx: bool = False  # outputs named and provenance written by finish_onnx; weights may sit in PATH.data
     past_range: Callable[[Path], str] = lambda _path: RUNS_PAST_RANGE
+    later: LaterStage | None = None  # built after the CPU stage, from its ONNX model
 
     def files(self, path: Path) -> list[Path]:
         """Every file the artifact at `path` is made of (a folder's files; an ONNX model's .data)."""
@@ -82,6 +127,31 @@ class Target:
         if self.onnx and data.exists():
             files.append(data)
         return files
+
+
+def exported_targets(targets: Iterable[str]) -> list[str]:
+    """Those of `targets` the export stage writes, in their order."""
+    return [t for t in targets if t in REGISTRY and REGISTRY[t].from_graph is not None]
+
+
+def later_targets(targets: Iterable[str]) -> list[str]:
+    """Those of `targets` a later stage builds from the ONNX model, in their order."""
+    return [t for t in targets if t in REGISTRY and REGISTRY[t].later is not None]
+
+
+def later_stage_of(target: str) -> LaterStage:
+    """The later stage that builds `target` (one of `later_targets`)."""
+    stage = REGISTRY[target].later
+    assert stage is not None, f"{target} is written by the export stage"
+    return stage
+
+
+def later_stage(name: str) -> LaterStage:
+    """The later stage called `name` (a job's stage, as workers/jobs.py runs it); ValueError for any other."""
+    for target in REGISTRY.values():
+        if target.later is not None and target.later.name == name:
+            return target.later
+    raise ValueError(f"unknown stage {name!r}")
 
 
 # -- exporters ---------------------------------------------------------------------------------
@@ -147,7 +217,8 @@ def _onnx_from_eager(job: ExportJob, path: Path) -> tuple[Path, str]:
     sig, spec = job.sig, job.spec
     exporter = OnnxFromEagerModule(job.module, job.example, input_names=[i.name for i in sig.inputs],
                                    opset=spec.onnx.opset, single_file=spec.onnx.single_file,
-                                   dynamic_axes=_dynamic_axes(sig))
+                                   dynamic_axes=_dynamic_axes(sig), check_inputs=job.extremes,
+                                   reference=job.reference, verify=spec.verify)
     return exporter(path), exporter.note
 
 
@@ -200,11 +271,45 @@ def _fx_source_past_range(path: Path) -> str:
     return RUNS_PAST_RANGE
 
 
+# -- the TensorRT engine: built from the ONNX model on the GPU queue (workers/engine/tensorrt/) --
+
+def _tensorrt_unavailable() -> str | None:
+    from fxport.workers.engine.tensorrt.builder import tensorrt_unavailable
+
+    return tensorrt_unavailable()
+
+
+def _tensorrt_preflight(manifest: Manifest, onnx_path: Path, precision: str) -> object:
+    from fxport.workers.engine.tensorrt.stage import preflight_stage
+
+    return preflight_stage(manifest, onnx_path, precision)
+
+
+def _tensorrt_build(manifest: Manifest, emit: Callable[[str, float, str], None], **how: Any) -> Path:
+    from fxport.workers.engine.tensorrt.stage import build_stage
+
+    return build_stage(manifest, emit, **how)
+
+
+def _tensorrt_runner(path: Path, sig: InputSignature) -> Runner:
+    from fxport.workers.engine.tensorrt.runner import TrtRunner
+
+    return TrtRunner(path, [i.name for i in sig.inputs])
+
+
+TENSORRT_STAGE = LaterStage(
+    name=Stage.TENSORRT.value, queue="gpu", label="TensorRT",
+    # an int8 job with a CPU target makes the engine its own (symmetric) ONNX beside model.onnx
+    sources=(TENSORRT_ONNX, "onnx"), int8_runtime="tensorrt",
+    unavailable=_tensorrt_unavailable, preflight=_tensorrt_preflight, build=_tensorrt_build,
+)
+
 REGISTRY: dict[str, Target] = {t.name: t for t in (
     Target("torchscript", "model.ts", _torchscript, _torchscript_runner, from_eager=_torchscript_from_eager),
     Target("onnx", "model.onnx", _onnx, _onnx_runner("onnx"), from_eager=_onnx_from_eager, onnx=True),
     Target("exported_program", "model.pt2", _exported_program, _exported_program_runner,
            past_range=_exported_program_past_range),
     Target("fx_source", "fx_source", _fx_source, _fx_source_runner, past_range=_fx_source_past_range),
+    Target("tensorrt", "model.engine", None, _tensorrt_runner, later=TENSORRT_STAGE),
     Target(TENSORRT_ONNX, "model.tensorrt.onnx", _onnx, _onnx_runner(TENSORRT_ONNX), onnx=True),
 )}

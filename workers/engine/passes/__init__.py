@@ -1,4 +1,4 @@
-"""Graph passes: the runner over the one catalog in `fxport.spec.PASS_CATALOG`.
+"""Graph passes: the runner over the one catalog in `fxport.pass_catalog.PASS_CATALOG`.
 
 A pass is a plain function `(gm, options, ctx) -> PassResult`. It declares the IR levels
 it works on in the catalog; on any other level the runner records `applied: false` with
@@ -17,7 +17,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxport.errors import ConversionFailed
-from fxport.spec import PASS_CATALOG, PassSpec
+from fxport.pass_catalog import PASS_CATALOG
+from fxport.spec import PassSpec
 
 # Typed views of FX's broad `Node.target` / `Node.args` unions, for where the node's kind fixes the type.
 

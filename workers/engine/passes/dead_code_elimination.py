@@ -6,7 +6,7 @@ from collections import Counter
 
 from torch.fx import GraphModule
 
-from fxport.spec import NoOptions
+from fxport.pass_catalog import NoOptions
 from fxport.workers.engine.passes import PassContext, PassResult
 from fxport.workers.engine.passes.graph_attrs import prune_unused_attrs
 from fxport.workers.engine.passes.side_effects import has_side_effects

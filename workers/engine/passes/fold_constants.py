@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
-from fxport.spec import FoldConstantsOptions
+from fxport.pass_catalog import FoldConstantsOptions
 from fxport.workers.engine.passes import PassContext, PassResult, target_fn, target_name
 from fxport.workers.engine.passes.graph_attrs import erase_if_unused, fetch_attr, prune_unused_attrs, unique_name
 from fxport.workers.engine.passes.side_effects import has_side_effects

@@ -69,17 +69,46 @@ def replace_submodule(gm: GraphModule, target: str, module: torch.nn.Module) -> 
     setattr(parent, field, module)
 
 
-def get_attr_users(gm: GraphModule) -> dict[int, int]:
-    """id(tensor) → how many graph uses it has across all `get_attr` nodes (aliases included)."""
-    uses: dict[int, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            try:
-                value = fetch_attr(gm, node.target)
-            except AttributeError:
-                continue
-            uses[id(value)] = uses.get(id(value), 0) + len(node.users)
-    return uses
+class AttrUses:
+    """How many graph uses a tensor has across all `get_attr` nodes (aliases included), kept
+    current while a pass rewrites: one scan of the graph per pass, not one per question.
+
+    The scan indexes every get_attr node by the tensor it fetches and by its target; a count
+    sums the users of the indexed nodes that are alive and still fetch that tensor, so edits
+    to users need no bookkeeping. A pass tells it only what re-points nodes: a new get_attr
+    node (`added`) and a name bound to another tensor (`rebound`).
+    """
+
+    def __init__(self, gm: GraphModule) -> None:
+        self.gm = gm
+        self._by_tensor: dict[int, dict[Node, None]] = {}
+        self._by_target: dict[str, dict[Node, None]] = {}
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                self.added(node)
+
+    def added(self, node: Node) -> None:
+        """Index `node`, a get_attr node new to the graph (or one whose target now holds another tensor)."""
+        self._by_target.setdefault(str(node.target), {})[node] = None
+        value = self._fetch(node)
+        if value is not None:
+            self._by_tensor.setdefault(id(value), {})[node] = None
+
+    def rebound(self, target: str) -> None:
+        """The attribute at `target` now holds another tensor: re-index the nodes that fetch it."""
+        for node in list(self._by_target.get(target, ())):
+            self.added(node)
+
+    def count(self, value: Any) -> int:
+        """How many users the get_attr nodes fetching `value` have, together."""
+        nodes = self._by_tensor.get(id(value), {})
+        return sum(len(n.users) for n in nodes if _alive(n) and n.graph is self.gm.graph and self._fetch(n) is value)
+
+    def _fetch(self, node: Node) -> Any:
+        try:
+            return fetch_attr(self.gm, str(node.target))
+        except AttributeError:
+            return None
 
 
 def erase_if_unused(gm: GraphModule, nodes: list[Node]) -> int:

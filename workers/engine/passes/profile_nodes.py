@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from fxport.spec import ProfileNodesOptions
+from fxport.pass_catalog import ProfileNodesOptions
 from fxport.workers.engine.passes import PassContext, PassResult, target_name
 
 _COMPUTE = ("call_function", "call_method", "call_module")

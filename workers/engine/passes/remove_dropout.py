@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from fxport.spec import NoOptions
+from fxport.pass_catalog import NoOptions
 from fxport.workers.engine.passes import PassContext, PassResult, target_fn, target_name
 from fxport.workers.engine.passes.graph_attrs import bind_op_args, prune_unused_attrs
 

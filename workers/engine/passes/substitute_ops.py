@@ -1,6 +1,6 @@
 """substitute_ops: allowlisted op swaps, each flagged numerics-preserving or not.
 
-The names and the numerics flag are in `fxport.spec.SUBSTITUTIONS` (the API validates
+The names and the numerics flag are in `fxport.pass_catalog.SUBSTITUTIONS` (the API validates
 against it); this module holds what each swap matches and how it rewrites, keyed by the
 same names. Swaps edit node targets and arguments directly: what they match is a single op
 (or module call), and in-place variants need their user count checked.
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from fxport.spec import SUBSTITUTIONS, SubstituteOpsOptions
+from fxport.pass_catalog import SUBSTITUTIONS, SubstituteOpsOptions
 from fxport.workers.engine.passes import PassContext, PassResult, target_name
 from fxport.workers.engine.passes.graph_attrs import bind_op_args, prune_unused_attrs
 

@@ -209,6 +209,28 @@ def convert(gm: GraphModule, layers: list[Layer], quantized: set[str], qparams: 
         graph.erase_node(relu)
         plan = {k: v for k, v in plan.items() if k != relu.name}
     by_name = {n.name: n for n in graph.nodes}
+    dq_of, pairs = _insert_activation_qdq(qgm, by_name, plan, qparams, scheme)
+    result = QdqGraph(qgm, {}, {}, {}, {}, scheme=scheme, qdq_pairs=pairs,
+                      fallback=[layer.name for layer in layers if layer.name not in quantized])
+    weights_done: dict[str, tuple[str, str, str]] = {}
+    for layer in layers:
+        if layer.name in quantized:
+            _record_activation_scales(result, layer, by_name[layer.node], plan, qparams)
+            _read_int8_weight(result, gm, layer, by_name[layer.node], weights_done)
+            result.layer_outputs[layer.name] = dq_of[layer.node].name if layer.node in dq_of \
+                else result.layer_nodes[layer.name]
+    prune_unused_attrs(qgm)
+    graph.lint()
+    qgm.recompile()
+    return result
+
+
+def _insert_activation_qdq(qgm: GraphModule, by_name: dict[str, Node], plan: dict[str, str],
+                           qparams: dict[str, tuple[float, int]], scheme: Int8Scheme
+                           ) -> tuple[dict[str, Node], int]:
+    """A Q→DQ pair after every tensor of `plan`, in its source's (scale, zero point). Returns each
+    tensor's first DQ node and the number of pairs inserted."""
+    graph = qgm.graph
     last_placeholder = _last_placeholder(qgm)
     dq_of: dict[str, Node] = {}
     pairs = 0
@@ -242,58 +264,51 @@ def convert(gm: GraphModule, layers: list[Layer], quantized: set[str], qparams: 
             q.meta["fxport_qdq"] = dq.meta["fxport_qdq"] = {"tensor": name, "scale": scale, "zero_point": zero}
             dq_of.setdefault(name, dq)
             pairs += 1
+    return dq_of, pairs
 
-    weights_done: dict[str, tuple[str, str, str]] = {}
-    layer_nodes: dict[str, str] = {}
-    layer_outputs: dict[str, str] = {}
-    input_scales: dict[str, float] = {}
-    output_scales: dict[str, float] = {}
-    input_zero_points: dict[str, int] = {}
-    output_zero_points: dict[str, int] = {}
-    activation_after: dict[str, str] = {}
-    for layer in layers:
-        if layer.name not in quantized:
-            continue
-        node = by_name[layer.node]
-        in_name = _undo_dq(layer.activation(node))
-        if in_name in plan:
-            input_scales[layer.name] = _float32_step(qparams[plan[in_name]][0], 0)
-            input_zero_points[layer.name] = int(qparams[plan[in_name]][1])
-        else:
-            input_scales[layer.name] = float("nan")
-        if layer.node in plan:
-            output_scales[layer.name] = _float32_step(qparams[plan[layer.node]][0], 0)
-            output_zero_points[layer.name] = int(qparams[plan[layer.node]][1])
-            if plan[layer.node] != layer.node:
-                activation_after[layer.name] = plan[layer.node]
-        if layer.weight not in weights_done:
-            weights_done[layer.weight] = _bind_int8_weight(qgm, layer, scheme.weight_qmax)
-        w_int8, w_scale, w_zp = weights_done[layer.weight]
-        with graph.inserting_before(node):
-            wq = graph.get_attr(w_int8)
-            ws = graph.get_attr(w_scale)
-            wz = graph.get_attr(w_zp)
-            wdq = graph.call_function(qd.dequantize_per_channel.default,
-                                      (wq, ws, wz, layer.axis, -scheme.weight_qmax, scheme.weight_qmax, torch.int8))
-        if node.op == "call_module":
-            node = _functional_layer(qgm, node, layer, wdq, gm.get_submodule(str(node.target)))
-        else:
-            args = list(node.args)
-            old_weight = args[layer.w_arg]
-            args[layer.w_arg] = wdq
-            node.args = tuple(args)
-            if isinstance(old_weight, Node) and not old_weight.users:
-                graph.erase_node(old_weight)
-        node.meta["fxport_layer"] = layer.name
-        layer_nodes[layer.name] = node.name
-        layer_outputs[layer.name] = dq_of[layer.node].name if layer.node in dq_of else node.name
-    prune_unused_attrs(qgm)
-    graph.lint()
-    qgm.recompile()
-    return QdqGraph(qgm, layer_nodes, layer_outputs, input_scales, output_scales, scheme=scheme,
-                    input_zero_points=input_zero_points, output_zero_points=output_zero_points, qdq_pairs=pairs,
-                    fallback=[layer.name for layer in layers if layer.name not in quantized],
-                    activation_after=activation_after)
+
+def _record_activation_scales(result: QdqGraph, layer: Layer, node: Node, plan: dict[str, str],
+                              qparams: dict[str, tuple[float, int]]) -> None:
+    """The (scale, zero point) of a quantized layer's input and output activations, as `result` reports them."""
+    in_name = _undo_dq(layer.activation(node))
+    if in_name in plan:
+        result.input_scales[layer.name] = _float32_step(qparams[plan[in_name]][0], 0)
+        result.input_zero_points[layer.name] = int(qparams[plan[in_name]][1])
+    else:
+        result.input_scales[layer.name] = float("nan")
+    if layer.node in plan:
+        result.output_scales[layer.name] = _float32_step(qparams[plan[layer.node]][0], 0)
+        result.output_zero_points[layer.name] = int(qparams[plan[layer.node]][1])
+        if plan[layer.node] != layer.node:
+            result.activation_after[layer.name] = plan[layer.node]
+
+
+def _read_int8_weight(result: QdqGraph, gm: GraphModule, layer: Layer, node: Node,
+                      weights_done: dict[str, tuple[str, str, str]]) -> None:
+    """Make the layer's node read its weight as int8 through a per-channel DQ (one int8 copy per weight
+    however many layers share it); a call_module layer becomes its functional form."""
+    qgm, scheme = result.gm, result.scheme
+    graph = qgm.graph
+    if layer.weight not in weights_done:
+        weights_done[layer.weight] = _bind_int8_weight(qgm, layer, scheme.weight_qmax)
+    w_int8, w_scale, w_zp = weights_done[layer.weight]
+    with graph.inserting_before(node):
+        wq = graph.get_attr(w_int8)
+        ws = graph.get_attr(w_scale)
+        wz = graph.get_attr(w_zp)
+        wdq = graph.call_function(qd.dequantize_per_channel.default,
+                                  (wq, ws, wz, layer.axis, -scheme.weight_qmax, scheme.weight_qmax, torch.int8))
+    if node.op == "call_module":
+        node = _functional_layer(qgm, node, layer, wdq, gm.get_submodule(str(node.target)))
+    else:
+        args = list(node.args)
+        old_weight = args[layer.w_arg]
+        args[layer.w_arg] = wdq
+        node.args = tuple(args)
+        if isinstance(old_weight, Node) and not old_weight.users:
+            graph.erase_node(old_weight)
+    node.meta["fxport_layer"] = layer.name
+    result.layer_nodes[layer.name] = node.name
 
 
 def _idle_relus(qgm: GraphModule, plan: dict[str, str], qparams: dict[str, tuple[float, int]],

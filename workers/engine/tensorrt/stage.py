@@ -16,6 +16,7 @@ from typing import Any
 
 from fxport.errors import ConversionFailed, VerificationFailed
 from fxport.manifest import Manifest, VerificationRecord
+from fxport.manifest_sections import TensorRT
 from fxport.spec import JobSpec, VerifyOptions
 from fxport.workers.engine.request import TimingCachePaths
 from fxport.workers.engine.tensorrt.preflight import PreflightReport, check_preflight, preflight_onnx
@@ -36,34 +37,30 @@ def trt_tolerances(spec: JobSpec) -> Any:
     from fxport.workers.engine.verify.precision import Tolerances
 
     defaults = VerifyOptions()
-    opts = spec.verify.model_copy()
     user = {k for k in ("atol", "rtol", "min_cosine") if getattr(spec.verify, k) != getattr(defaults, k)}
     if spec.precision == "int8":
         target = spec.quantization.target_cosine
-        if "min_cosine" not in user:
-            opts.min_cosine = target if target is not None else TRT_INT8_MIN_COSINE
-        return Tolerances("int8", opts, min_top1=TRT_INT8_MIN_TOP1, judge_abs_diff=False)
+        update = {} if "min_cosine" in user else {"min_cosine": target if target is not None else TRT_INT8_MIN_COSINE}
+        return Tolerances("int8", spec.verify.model_copy(update=update), min_top1=TRT_INT8_MIN_TOP1,
+                          judge_abs_diff=False)
     table = TRT_FP16 if spec.precision == "fp16" else TRT_FP32
-    for key, value in table.items():
-        if key not in user:
-            setattr(opts, key, value)
-    return Tolerances(spec.precision, opts)
+    return Tolerances(spec.precision, spec.verify.model_copy(update={k: v for k, v in table.items() if k not in user}))
 
 
 def preflight_stage(manifest: Manifest, onnx_path: Path, precision: str) -> PreflightReport:
     """Check the ONNX model against TensorRT's parser; findings into manifest.tensorrt["preflight"].
     Raises ConversionFailed naming the nodes when TensorRT would reject the model."""
     report = preflight_onnx(onnx_path, precision=precision)
-    manifest.tensorrt = {**(manifest.tensorrt or {}), "preflight": report.as_dict()}
+    manifest.tensorrt = TensorRT.model_validate({**(manifest.tensorrt or {}), "preflight": report.as_dict()})
     manifest.warnings.extend(f"tensorrt preflight: {f.describe()}" for f in report.warnings)
     check_preflight(report)
     return report
 
 
-def build_stage(manifest: Manifest, emit: Emit, *, onnx_path: Path, sig: Any, spec: JobSpec, out_dir: Path,
+def build_stage(manifest: Manifest, emit: Emit, *, onnx_path: Path, sig: Any, spec: JobSpec, path: Path,
                 reference: Any, reference_label: str, points: list[Any],
                 timing_cache: TimingCachePaths | None = None) -> Path:
-    """Preflight, build out_dir/model.engine, record its metadata, verify it. Returns the engine's path.
+    """Preflight, build the engine at `path` (the registry's model.engine), record its metadata, verify it.
 
     `timing_cache`: the file to read and the file to write the merged cache to, used when
     spec.tensorrt.timing_cache is "shared"."""
@@ -106,17 +103,17 @@ def build_stage(manifest: Manifest, emit: Emit, *, onnx_path: Path, sig: Any, sp
         workspace_mb=spec.tensorrt.workspace_mb, profiles=profiles,
         timing_cache=cache.read if cache else None, timing_cache_out=cache.write if cache else None,
     )
-    engine_path = SaveEngine(engine_bytes, out_dir / "model.engine")()
+    engine_path = SaveEngine(engine_bytes, path)()
     report = engine_bytes.report
     manifest.warnings.extend(f"tensorrt: {w}" for w in report.warnings)
     loader = EngineFromBytes(engine_path.read_bytes())  # holds the runtime, which must outlive the engine
     engine = loader()
-    manifest.tensorrt = {
+    manifest.tensorrt = TensorRT.model_validate({
         **(manifest.tensorrt or {}),
         "engine": engine_metadata(trt, engine, report=report, profiles=profiles, precision=spec.precision),
         "build": {"build_s": report.build_s,
                   "timing_cache": {**report.timing_cache, "mode": spec.tensorrt.timing_cache}},
-    }
+    })
     del engine, loader
 
     emit("tensorrt", 0.7, "verifying the engine")

@@ -82,7 +82,7 @@ SHARED_SCOPE = None  # cache_key's scope for one cache across tenants
 
 def cache_key(identity: DeviceIdentity, tenant: str | None) -> str:
     """The object-store key of the timing cache for `identity`, kept per `tenant` (None: one
-    cache for every tenant). Tenant names are checked as for every key (fxport/storage.py)."""
+    cache for every tenant). Tenant names are checked as for every key (fxport/storage/keys.py)."""
     from fxport.storage import check_tenant
 
     scope = "shared" if tenant is SHARED_SCOPE else f"tenant/{check_tenant(tenant)}"

@@ -58,25 +58,20 @@ def tolerances_for(spec: JobSpec, *, real_data: bool = False) -> Tolerances:
     # it — marks every field as set, and the precision defaults would never apply.)
     defaults = VerifyOptions()
     given = {name for name in VerifyOptions.model_fields if getattr(spec.verify, name) != getattr(defaults, name)}
-    opts = spec.verify.model_copy()
+    # spec.verify is frozen: the precision's defaults go into a copy
     if spec.precision == "fp16":
-        if "atol" not in given:
-            opts.atol = FP16_ATOL
-        if "rtol" not in given:
-            opts.rtol = FP16_RTOL
-        if "scale_atol" not in given:
-            opts.scale_atol = FP16_SCALE_ATOL
-        if "min_cosine" not in given:
-            opts.min_cosine = FP16_MIN_COSINE
-        return Tolerances("fp16", opts)
+        fp16 = {"atol": FP16_ATOL, "rtol": FP16_RTOL, "scale_atol": FP16_SCALE_ATOL, "min_cosine": FP16_MIN_COSINE}
+        return Tolerances("fp16", spec.verify.model_copy(update={k: v for k, v in fp16.items() if k not in given}))
     if spec.precision == "int8":
         target = spec.quantization.target_cosine
+        update: dict[str, float] = {}
         if target is not None:
-            opts.min_cosine = target
+            update["min_cosine"] = target
         elif "min_cosine" not in given:
-            opts.min_cosine = INT8_MIN_COSINE
-        return Tolerances("int8", opts, min_top1=INT8_MIN_TOP1 if real_data else None, judge_abs_diff=False)
-    return Tolerances("fp32", opts)
+            update["min_cosine"] = INT8_MIN_COSINE
+        return Tolerances("int8", spec.verify.model_copy(update=update), min_top1=INT8_MIN_TOP1 if real_data else None,
+                          judge_abs_diff=False)
+    return Tolerances("fp32", spec.verify.model_copy())
 
 
 class PrecisionComparison:

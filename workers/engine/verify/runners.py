@@ -82,7 +82,7 @@ class EagerRunner(Runner):
 class ReferenceOutputs(EagerRunner):
     """The original model, each input's outputs computed once per conversion: the export
     stage's checks of a trace and the verify stage run the same sample inputs (the same tensor
-    objects, `pipeline._sample_points`), and the TensorRT stage runs them again. Keyed by the
+    objects, `samples.sample_points`), and the TensorRT stage runs them again. Keyed by the
     input tuple itself; not for timing (a benchmark wants every run)."""
 
     def __init__(self, module: Any) -> None:

@@ -1,4 +1,4 @@
-"""The CLI's quantization summary (client/result_table.py) from a manifest's "quantization" section."""
+"""The CLI's quantization summary (cli/result_table.py) from a manifest's "quantization" section."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from fxport.client.result_table import render_manifest
+from fxport.cli.result_table import render_manifest
 
 MANIFEST = {
     "artifacts": [], "verification": [], "warnings": ["int8 calibration used 64 seeded random samples, not real data"],

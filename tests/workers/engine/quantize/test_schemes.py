@@ -220,7 +220,7 @@ def test_reduce_range_gives_7_bit_weights_and_the_fallback_works_per_scheme(tmp_
 def test_the_cli_and_the_report_show_each_scheme(both_schemes) -> None:
     from rich.console import Console
 
-    from fxport.client.result_table import render_quantization
+    from fxport.cli.result_table import render_quantization
 
     m, out = both_schemes
     console = Console(record=True, width=200)
