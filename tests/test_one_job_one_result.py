@@ -3,7 +3,8 @@ before it, or on which path ran it.
 
 One set of job specs covering every engine feature (fp32 to every target, packaged for Triton; int8
 with calibration; fp16; `capture: fx`; the eager fallback of a model no rung captures; `benchmark`;
-a dynamic transformer `.pt2`; an ONNX input model) runs along four paths:
+a dynamic transformer `.pt2`; an ONNX input model; a data-dependent loop to ONNX; a job that accepts
+a failed target with `allow_partial`) runs along four paths:
 
 - `convert`: `fxport convert`, each job in a cold sandbox (a fresh interpreter);
 - `no_sandbox`: `fxport convert --no-sandbox`, each job in the CLI's own process;
@@ -89,6 +90,13 @@ CASES = [
                                                 "dynamic_dims": BATCH, "verify": {"samples": 2},
                                                 "targets": ["onnx", "exported_program", "torchscript"]}),
     Case("onnx_input", "onnx", {"targets": ["onnx"], "verify": {"samples": 2}}),
+    # ONNX of a data-dependent loop, exported from the scripted model (an ONNX Loop)
+    Case("loop_to_onnx", "nms", {"inputs": [{"name": "boxes", "shape": ["n", 4]}, {"name": "scores", "shape": ["n"]}],
+                                 "dynamic_dims": {"n": {"min": 8, "opt": 16, "max": 32}},
+                                 "targets": ["torchscript", "onnx"], "verify": {"samples": 2}}),
+    # the failure policy's accepted form: exported_program needs a graph no rung captures
+    Case("allow_partial", "untraceable", {"inputs": [{"name": "x", "shape": [2, 4]}], "allow_partial": True,
+                                          "targets": ["torchscript", "exported_program"], "verify": {"samples": 2}}),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -167,9 +175,10 @@ Runs = dict[str, list[Outcome]]  # case name -> one outcome per run, in the orde
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import torch
 
-    from tests.client.packaged import DETECTOR, package_model
+    from tests.client.packaged import DETECTOR, UNTRACEABLE, package_model
     from tests.fixtures.models import save_pt2
     from tests.models import CORPUS
+    from tests.models.coverage3_nms_llama import save_nms_package
 
     base = tmp_path_factory.mktemp("matrix-models")
     onnx_path = base / "cnn.onnx"
@@ -184,6 +193,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "tiny": save_pt2("tiny_linear", base / "tiny.pt2"),
         "transformer": save_pt2("transformer_block", base / "transformer.pt2"),
         "detector": package_model(DETECTOR, "matrix_detector", base / "detector"),
+        "untraceable": package_model(UNTRACEABLE, "matrix_untraceable", base / "untraceable"),
+        "nms": save_nms_package(base),
         "onnx": onnx_path,
         "calibration": calibration,
     }

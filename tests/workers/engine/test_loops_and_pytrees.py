@@ -37,21 +37,6 @@ ROOT = Path(__file__).resolve().parents[3]
 # -- item 3: ONNX of a data-dependent loop, from the scripted model ------------------------------
 
 
-def _nms_package(folder: Path) -> Path:
-    from torch.package import PackageExporter
-
-    path = folder / "nms_head.pkg"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = models.GreedyNmsHead().eval()
-    with PackageExporter(str(path)) as exporter, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exporter.extern(["torch.**", "transformers.**"])
-        exporter.intern("tests.**")
-        exporter.save_pickle("model", "model.pkl", model)
-    return path
-
-
 def _loop_ops(path: Path) -> set[str]:
     return {n.op_type for n in onnx.load(str(path)).graph.node} & {"Loop", "If"}
 
@@ -60,7 +45,7 @@ def test_greedy_nms_loop_gets_an_onnx_loop_that_verifies_at_other_kept_counts(tm
     spec = {"inputs": [{"name": "boxes", "shape": ["n", 4]}, {"name": "scores", "shape": ["n"]}],
             "dynamic_dims": {"n": {"min": 8, "opt": 16, "max": 32}}, "targets": ["torchscript", "onnx"],
             "verify": {"samples": 4}}
-    manifest = convert(_nms_package(tmp_path), parse_spec(spec), tmp_path / "out", report=False)
+    manifest = convert(models.save_nms_package(tmp_path), parse_spec(spec), tmp_path / "out", report=False)
     assert manifest["capture"]["method"] == "eager"  # the loop stops every capture rung
     onnx_path = tmp_path / "out" / "model.onnx"
     assert "Loop" in _loop_ops(onnx_path)
