@@ -21,21 +21,22 @@ trees must share.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
-import math
 import os
 import resource
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("load", "capture", "passes", "export", "verify")
+# appended, not first: in the subprocess `fxport` must resolve as its PYTHONPATH lays it out
+sys.path.append(str(ROOT))
+
+from bench._sizes import STAGES, run_child, slope, timed_convert  # noqa: E402
+
 QUICK_BLOCKS = (11, 111, 222, 444)
 FULL_BLOCKS = (11, 33, 111, 333, 666, 1333, 2000)
 TARGET = "torchscript"
@@ -98,7 +99,6 @@ def measure(model_path: Path, out_dir: Path) -> dict:
 
     import fxport.workers
     from fxport.spec import parse_spec
-    from fxport.workers.engine.pipeline import convert
     from fxport.workers.engine.warm_caches import cache_pt2_type_hints
 
     torch.set_num_threads(1)
@@ -108,17 +108,7 @@ def measure(model_path: Path, out_dir: Path) -> dict:
         "dynamic_dims": {"batch": {"min": 1, "opt": 2, "max": 8}},
         "targets": [TARGET], "verify": {"samples": 2},
     })
-    # A full collection costs time in proportion to the heap (here mostly the loaded program) and lands
-    # in whichever stage is running then: 0.23 s of a 0.40 s capture at 4,000 nodes, none at 18,000.
-    # Off during the conversion, in both trees alike, the stages show their own cost.
-    gc.collect()
-    gc.disable()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        t0 = time.perf_counter()
-        manifest = convert(model_path, spec, out_dir)
-        total = time.perf_counter() - t0
-    gc.enable()
+    manifest, total = timed_convert(model_path, spec, out_dir)  # the cyclic collector off, in both trees alike
     record = manifest.model_dump() if hasattr(manifest, "model_dump") else dict(manifest)
     passes = {p["name"]: p.get("notes", "") for p in record.get("passes") or []}
     digest, left = _pass_digest(model_path)
@@ -155,21 +145,10 @@ def run_worker(model_path: Path, out_dir: Path, tree: Path, links: Path | None) 
     env = dict(os.environ)
     if links is not None:
         env["PYTHONPATH"] = str(links) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-s", str(Path(__file__).resolve()), "--measure", str(model_path), str(out_dir)]
-    done = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"the measurement on {tree} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_child(Path(__file__).resolve(), ["--measure", str(model_path), str(out_dir)], str(tree), env)
     if not Path(result["workers"]).is_relative_to(tree.resolve()):
         raise SystemExit(f"the subprocess for {tree} imported fxport.workers from {result['workers']}")
     return result
-
-
-def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of log(y) on log(x)."""
-    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-4)) for y in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
 def table(rows: list[dict], labels: list[str]) -> list[str]:

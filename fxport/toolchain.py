@@ -154,6 +154,11 @@ def note_op_libraries(records: Sequence[dict[str, str | None]]) -> None:
     _loaded_op_libraries[:] = [dict(record) for record in records]
 
 
+def loaded_op_libraries() -> list[str]:
+    """The entries of FXPORT_OP_LIBRARIES this process has loaded, as set (a module or a path)."""
+    return [str(r.get("module") or r.get("library")) for r in _loaded_op_libraries]
+
+
 def _file_sha256(path: str) -> str | None:
     """sha256 of the file at `path`, hashed again only when its inode, size or mtime changed."""
     try:

@@ -22,7 +22,8 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -303,6 +304,25 @@ def _execute_job(job_id: str, ctx: WorkerContext, final_attempt: bool) -> JobRec
             spans.close()
 
 
+@contextmanager
+def _job_folder(prefix: str, parent: str | Path | None) -> Iterator[str]:
+    """The job's own folder (tempfile.mkdtemp), removed afterwards with everything the sandbox left
+    in it. Not tempfile.TemporaryDirectory: where a removal is refused (in a folder the child made
+    unwritable) its cleanup chmods the path, through a symlink the child planted there to a file
+    outside the job (CVE-2023-6597: Python before 3.11.8 and 3.12.2). `beneath.remove_tree` follows
+    no link; a folder left unremoved is logged, as the job's outcome is already recorded."""
+    from fxport.workers.sandbox import beneath
+
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        yield path
+    finally:
+        try:
+            beneath.remove_tree(Path(path))
+        except (OSError, RecursionError) as exc:
+            log.warning("could not remove the job's folder %s: %s", path, exc)
+
+
 def _run_attempt(ctx: WorkerContext, rec: JobRecord, final_attempt: bool, spans: tracing.StageSpans
                  ) -> JobRecord | None:
     """An attempt `_start_attempt` began: the engine in the sandbox, then the upload."""
@@ -318,7 +338,7 @@ def _run_attempt(ctx: WorkerContext, rec: JobRecord, final_attempt: bool, spans:
     work_parent = ctx.settings.work_dir
     if work_parent:
         Path(work_parent).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"fxport-job-{job_id}-", dir=work_parent) as tmp_str, cancel:
+    with _job_folder(f"fxport-job-{job_id}-", work_parent) as tmp_str, cancel:
         tmp = Path(tmp_str)
         out_dir = tmp / "out"
         out_dir.mkdir()
@@ -564,7 +584,7 @@ def _execute_tensorrt(job_id: str, ctx: WorkerContext, final_attempt: bool) -> J
                      "the TensorRT stage found no model.onnx from the CPU stage")
     onnx = earlier[onnx_name]
     spec, _ = clamp_limits(rec.spec.model_copy(update={"targets": ["tensorrt"]}), ctx.settings)
-    with tempfile.TemporaryDirectory(prefix=f"fxport-trt-{job_id}-", dir=ctx.settings.work_dir) as tmp_str:
+    with _job_folder(f"fxport-trt-{job_id}-", ctx.settings.work_dir) as tmp_str:
         tmp = Path(tmp_str)
         out_dir = tmp / "out"
         out_dir.mkdir()

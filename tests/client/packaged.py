@@ -4,11 +4,21 @@ interned): what a user uploads when the model's code is their own. Its module is
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 import textwrap
-import warnings
 from pathlib import Path
+
+
+def _function_source(path: Path, name: str) -> str:
+    """The source of the top-level function `name` in `path`, read as text: nothing is imported."""
+    text = path.read_text()
+    found = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    segment = ast.get_source_segment(text, found)
+    assert segment is not None
+    return segment
+
 
 TRACEABLE = textwrap.dedent('''
     """Conv, BatchNorm, Linear: every capture method follows it."""
@@ -46,9 +56,12 @@ UNTRACEABLE = textwrap.dedent('''
 ''')
 
 
+_NMS_HEAD_FILE = Path(__file__).parents[1] / "models" / "coverage3_nms_llama.py"
+
 # torchvision's detection models in miniature: per image, scores → threshold → top-k → greedy NMS
 # (a Python loop) → a data-dependent number of boxes, as List[Dict[str, Tensor]]. symbolic_trace
-# fails on the loop over the batch, torch.export on the branch on the number of detections.
+# fails on the loop over the batch, torch.export on the branch on the number of detections. Its
+# box_iou is the NMS head's (tests/models/coverage3_nms_llama.py), written into the model's own file.
 DETECTOR = textwrap.dedent('''
     """A detector in the image of torchvision's."""
     from typing import Dict, List
@@ -57,13 +70,7 @@ DETECTOR = textwrap.dedent('''
     from torch import nn
 
 
-    def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        top_left = torch.max(a[:, None, :2], b[None, :, :2])
-        bottom_right = torch.min(a[:, None, 2:], b[None, :, 2:])
-        inter = (bottom_right - top_left).clamp(min=0).prod(-1)
-        area_a = (a[:, 2:] - a[:, :2]).prod(-1)
-        area_b = (b[:, 2:] - b[:, :2]).prod(-1)
-        return inter / (area_a[:, None] + area_b[None, :] - inter)
+''') + _function_source(_NMS_HEAD_FILE, "box_iou") + textwrap.dedent('''
 
 
     class Model(nn.Module):
@@ -106,7 +113,8 @@ DETECTOR = textwrap.dedent('''
 def package_model(source: str, name: str, folder: Path) -> Path:
     """folder/NAME.pkg: an eval() instance of `Model` from `source`, its code interned as module NAME."""
     import torch
-    from torch.package import PackageExporter
+
+    from tests.models.packaging import save_package  # imports torch: here, not when this module is
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.py").write_text(source)
@@ -117,11 +125,6 @@ def package_model(source: str, name: str, folder: Path) -> Path:
     try:
         spec.loader.exec_module(module)
         torch.manual_seed(0)
-        with PackageExporter(str(folder / f"{name}.pkg")) as exporter, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "TypedStorage is deprecated")  # torch.package's own call
-            exporter.extern(["torch.**"])
-            exporter.intern(name)
-            exporter.save_pickle("model", "model.pkl", module.Model().eval())
+        return save_package(folder / f"{name}.pkg", module.Model().eval(), intern=name)
     finally:
         sys.modules.pop(name, None)
-    return folder / f"{name}.pkg"

@@ -7,11 +7,12 @@ Nothing is downloaded: the Llama is built from a LlamaConfig with random weights
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from tests.models.packaging import save_package
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -59,18 +60,10 @@ class GreedyNmsHead(nn.Module):
 def save_nms_package(folder: Path) -> Path:
     """The GreedyNmsHead (seed 0) as a torch.package, `folder`/nms_head.pkg: no capture rung follows
     its loop, so every target comes from the eager model."""
-    from torch.package import PackageExporter
-
-    path = folder / "nms_head.pkg"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = GreedyNmsHead().eval()
-    with PackageExporter(str(path)) as exporter, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exporter.extern(["torch.**", "transformers.**"])
-        exporter.intern("tests.**")
-        exporter.save_pickle("model", "model.pkl", model)
-    return path
+    return save_package(folder / "nms_head.pkg", model, intern="tests.**", extern=["torch.**", "transformers.**"])
 
 
 def nms_inputs(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,8 +12,11 @@ the next job of another tenant (bob) then converts in normal time.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import textwrap
 import time
 import uuid
@@ -428,6 +431,23 @@ def test_the_spare_that_will_run_the_next_job_is_out_of_reach(iso: IsolationStac
 # ------------------------------------------------------------------ 5b. other processes of the same uid
 
 
+# A probe's way to try calls: `attempt(name, call)` reports "NAME DONE" or "NAME refused errno N";
+# `syscall(nr, *args)` raises OSError with the errno.
+ATTEMPTS = textwrap.dedent("""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    def attempt(name, call):
+        try:
+            call()
+            report.append(f"{name} DONE")
+        except OSError as exc:
+            report.append(f"{name} refused errno {exc.errno}")
+    def syscall(*args):
+        if libc.syscall(*args) < 0:
+            raise OSError(ctypes.get_errno(), "syscall")
+""")
+
+
 def _zygote_of(iso: IsolationStack) -> int:
     return next(pid for pid in descendants(iso.worker.pid)
                 if b"fxport.workers.sandbox.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes())
@@ -450,20 +470,10 @@ def test_a_job_cannot_change_another_process_of_its_uid(iso: IsolationStack):
     attacks keeps what it had, and bob's next job converts."""
     zygote = _zygote_of(iso)
     before = _what_a_neighbour_cannot_lose(zygote)
-    job = run_probe(iso, "same_uid", payload(textwrap.dedent("""
-        import ctypes, resource
-        libc = ctypes.CDLL(None, use_errno=True)
+    job = run_probe(iso, "same_uid", payload(ATTEMPTS, textwrap.dedent("""
+        import resource
         target = os.getppid()  # the zygote, which forks every later job's child
         report.append(f"TARGET {target}")
-        def attempt(name, call):
-            try:
-                call()
-                report.append(f"{name} DONE")
-            except OSError as exc:
-                report.append(f"{name} refused errno {exc.errno}")
-        def syscall(*args):
-            if libc.syscall(*args) < 0:
-                raise OSError(ctypes.get_errno(), "syscall")
         attempt("prlimit", lambda: resource.prlimit(target, resource.RLIMIT_NOFILE, (512, 512)))
         attempt("prlimit_cpu", lambda: resource.prlimit(target, resource.RLIMIT_CPU, (1, 1)))
         attempt("renice", lambda: os.setpriority(os.PRIO_PROCESS, target, 19))
@@ -501,6 +511,46 @@ def test_a_job_holds_at_most_its_share_of_threads(iso: IsolationStack, tmp_path:
         assert ok.state == "SUCCEEDED", ok.error
         c.job(ok.id).download(tmp_path, names=["manifest.json"])
     assert json.loads((tmp_path / "manifest.json").read_text())["sandbox"]["tasks_bounded"] == "pids_cgroup"
+    iso.bob_converts()
+
+
+def _metadata(path: Path) -> tuple[int, int, int, int, list[str]]:
+    st = path.lstat()
+    return st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, sorted(os.listxattr(path, follow_symlinks=False))
+
+
+def test_a_job_cannot_change_the_metadata_of_a_file_outside_it(iso: IsolationStack, tmp_path: Path):
+    """Landlock bounds what a child reads and writes, not a file's metadata: a model chmodded a file
+    of its uid outside its job 0644 → 0777, set its mtime to 0 and tagged it with an xattr (another
+    job's folder, or the worker's own files, are such files). Each call by path is refused now,
+    inside the job's own folder too; the file outside keeps its mode, owner, mtime and xattrs."""
+    outside = tmp_path / "worker_owned.txt"
+    outside.write_text("the worker's\n")
+    outside.chmod(0o644)
+    before = _metadata(outside)
+    job = run_probe(iso, "metadata", payload(ATTEMPTS, textwrap.dedent(f"""
+        target = {str(outside)!r}
+        attempt("chmod", lambda: os.chmod(target, 0o777))
+        attempt("chmod_nofollow", lambda: os.chmod(target, 0o777, follow_symlinks=False))
+        attempt("fchmodat2", lambda: syscall(452, -100, target.encode(), 0o777, 0))
+        attempt("chown", lambda: os.chown(target, 65534, 65534))
+        attempt("lchown", lambda: os.lchown(target, 65534, 65534))
+        attempt("utime", lambda: os.utime(target, (0, 0)))
+        attempt("setxattr", lambda: os.setxattr(target, "user.fxport", b"x"))
+        attempt("removexattr", lambda: os.removexattr(target, "user.fxport"))
+        own = "own_file"
+        open(own, "w").close()
+        attempt("chmod_own", lambda: os.chmod(own, 0o600))
+        fd = os.open(own, os.O_RDONLY)
+        attempt("fchmod_own", lambda: os.fchmod(fd, 0o600))  # by descriptor: what Landlock let it open
+    """)))
+    text = error_text(job)
+    assert job.state == "FAILED" and "PAYLOAD RAN" in text, text
+    for name in ("chmod", "chmod_nofollow", "fchmodat2", "chown", "lchown", "utime", "setxattr", "removexattr",
+                 "chmod_own"):
+        assert f"{name} refused errno 1" in text, (name, text)  # EPERM, from seccomp
+    assert "fchmod_own DONE" in text, text
+    assert _metadata(outside) == before
     iso.bob_converts()
 
 
@@ -777,3 +827,155 @@ def test_sparse_files_fail_the_job_while_it_runs_naming_the_bound(iso: Isolation
     assert "FXPORT_MAX_JOB_OUTPUT_BYTES" in job.error["message"] and "during load" in job.error["message"], job.error
     assert not any(a["name"].startswith("big") for a in job.artifacts), job.artifacts
     iso.bob_converts()
+
+
+# ------------------------------------------------------------------ 10. links left for the withdrawal
+
+# Once the job's other targets are written, the model's code (loaded in the child) replaces the
+# torchscript exporter with one that plants links where the withdrawal of a failed job will look
+# (every name a conversion writes) and fails. Its findings leave in the error, as probes' do.
+PLANT_LINKS = """
+    import builtins, json
+    registry = builtins.__import__("fxport.workers.engine.exporters.registry", fromlist=["REGISTRY"])
+    dataclasses = builtins.__import__("dataclasses")
+    out = json.load(open("request.json"))["engine"]["out_dir"]
+    OUTSIDE = {outside!r}
+
+    def plant(job, path):
+        report = []
+
+        def attempt(what, make, *args):
+            try:
+                make(*args)
+                report.append(what + " ok")
+            except OSError as exc:
+                report.append(f"{{what}} refused: {{exc.strerror}}")
+
+        at = lambda name: os.path.join(out, name)
+        # the artifacts already published, each swapped for a link to a file outside the job
+        for name, target in (("model.onnx", OUTSIDE["file"]), ("model.pt2", OUTSIDE["tokens"])):
+            os.unlink(at(name))
+            attempt("symlink " + name, os.symlink, target, at(name))
+        attempt("symlink model.onnx.data", os.symlink, OUTSIDE["log"], at("model.onnx.data"))
+        # the failing target's own name: a hard link to the next job's model, else a symlink to it
+        attempt("hardlink model.ts", os.link, OUTSIDE["bob_model"], at("model.ts"))
+        if not os.path.lexists(at("model.ts")):
+            attempt("symlink model.ts", os.symlink, OUTSIDE["bob_model"], at("model.ts"))
+        # the package stage's names: a link to a folder outside, and a folder of links
+        attempt("symlink triton", os.symlink, OUTSIDE["dir"], at("triton"))
+        os.mkdir(at("samples.npz"))
+        attempt("symlink samples.npz/file", os.symlink, OUTSIDE["file"], at("samples.npz/file"))
+        attempt("symlink samples.npz/dir", os.symlink, OUTSIDE["dir"], at("samples.npz/dir"))
+        attempt("hardlink samples.npz/hard", os.link, OUTSIDE["file"], at("samples.npz/hard"))
+        # the exporter's staging folder, which it removes after a failed export
+        staging = os.path.dirname(path)
+        os.rename(staging, at(".writing-moved"))
+        attempt("symlink .writing", os.symlink, OUTSIDE["dir"], staging)
+        # a folder no withdrawal names, made unwritable, a link in it: left for the worker's cleanup
+        os.mkdir(at("leftover"))
+        attempt("symlink leftover/file", os.symlink, OUTSIDE["file"], at("leftover/file"))
+        # chmod by path is refused in the sandbox; through a descriptor it is not
+        attempt("fchmod leftover", lambda: os.fchmod(os.open(at("leftover"), os.O_RDONLY | os.O_DIRECTORY), 0o500))
+        raise RuntimeError("PLANTED | " + " | ".join(report))
+
+    registry.REGISTRY["torchscript"] = dataclasses.replace(registry.REGISTRY["torchscript"], from_graph=plant)
+"""
+
+
+def test_a_failed_jobs_withdrawal_follows_no_link_the_model_planted(iso: IsolationStack, tmp_path_factory,
+                                                                   tmp_path: Path):
+    """A job that fails keeps no model file: the withdrawal removes every name a conversion writes
+    from its output folder (publish.withdraw), the worker deletes what it stored early
+    (jobs._drop_unkept) and then its job folder. The model swaps the published artifacts for
+    symlinks and plants links (to a file and a folder of the test's, the tokens file, the worker's
+    log, bob's model) under every name the withdrawal removes, then fails its last target. Every
+    file outside keeps its bytes and its mode; the job fails naming the target, having removed the
+    links; the store holds only the worker's manifest and report for it; bob's next job converts."""
+    outside = tmp_path_factory.mktemp("outside-withdrawal")
+    (outside / "dir").mkdir()
+    (outside / "dir" / "inner.txt").write_text(f"inside a folder outside the job {uuid.uuid4().hex}")
+    marker = f"outside-the-job-{uuid.uuid4().hex}"
+    (outside / "file.txt").write_text(marker)
+    paths = {"file": outside / "file.txt", "dir": outside / "dir", "tokens": Path(iso.env["FXPORT_TOKENS_FILE"]),
+             "log": iso.worker.log, "bob_model": iso.bob_model}
+    watched = [paths["file"], outside / "dir" / "inner.txt", paths["tokens"], paths["bob_model"]]
+    before = {p: (p.read_bytes(), p.stat().st_mode) for p in watched}
+    log_head = iso.worker.log.read_bytes()  # the log grows: what it held stays as it was
+    model = hostile_package(iso.base, f"plant_links_{uuid.uuid4().hex[:6]}",
+                            PLANT_LINKS.format(outside={k: str(v) for k, v in paths.items()}))
+    job = iso.submit("alice", model, {**PACKAGE_SPEC, "targets": ["onnx", "exported_program", "torchscript"]})
+    prefix = f"alice/jobs/{job.id}/"
+    seen: dict[str, bytes] = {}
+    while not job.refresh().terminal:  # what alice could download while her job runs
+        seen.update(iso.objects(prefix))
+        time.sleep(0.05)
+    seen.update(iso.objects(prefix))
+
+    assert job.state == "FAILED", (job.state, iso.logs())
+    text = error_text(job)
+    assert job.error["stage"] == "export" and "torchscript export failed: RuntimeError: PLANTED" in text, job.error
+    for planted in ("symlink model.onnx ok", "symlink model.pt2 ok", "symlink model.onnx.data ok",
+                    "symlink triton ok", "symlink samples.npz/file ok", "symlink .writing ok",
+                    "symlink leftover/file ok", "fchmod leftover ok"):
+        assert planted in text, text  # the links were there for the withdrawal to meet
+    assert "model.ts ok" in text, text  # a hard link or, where refused, a symlink
+    with iso.client("alice") as c:
+        c.job(job.id).download(tmp_path, names=["manifest.json"])
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["artifacts"] == [], manifest["artifacts"]
+    removed = next(w for w in manifest["warnings"] if "keeps no model file" in w)
+    for name in ("model.onnx", "model.onnx.data", "model.pt2", "model.ts", "samples.npz", "triton"):
+        assert name in removed, removed  # withdrawn: the links themselves, never their targets
+
+    for path, (data, mode) in before.items():
+        assert path.is_file() and path.read_bytes() == data, f"{path} changed"
+        assert path.stat().st_mode == mode, f"{path}: mode {oct(mode)} became {oct(path.stat().st_mode)}"
+    assert paths["dir"].is_dir() and sorted(p.name for p in paths["dir"].iterdir()) == ["inner.txt"]
+    assert iso.worker.log.read_bytes().startswith(log_head)
+    stored = iso.objects(prefix)
+    assert sorted(key.rsplit("/", 1)[1] for key in stored) == ["manifest.json", "report.html"], sorted(stored)
+    outside_bytes = [marker.encode(), *(data for data, _ in before.values())]
+    for key, data in seen.items():
+        assert not any(b in data for b in outside_bytes), f"{key} held a file from outside the job"
+    iso.bob_converts()
+    # the worker removed the job's folder, the unwritable one the model left in it too
+    assert not list(Path(iso.env["FXPORT_WORK_DIR"]).glob(f"fxport-job-{job.id}-*"))
+
+
+# A worker that is not root (the image's): what the child left unwritable makes a removal fail there.
+CLEANUP_AS_NOT_ROOT = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+CLEANUP = """
+import os, sys
+from fxport.workers.jobs import _job_folder
+work, outside = sys.argv[1], sys.argv[2]
+with _job_folder("fxport-job-cleanup-", work) as tmp:
+    out = os.path.join(tmp, "out")
+    for name, mode in (("unwritable", 0o500), ("unlistable", 0o000)):
+        os.makedirs(os.path.join(out, name))
+        os.symlink(outside, os.path.join(out, name, "file"))
+        os.symlink(os.path.dirname(outside), os.path.join(out, name, "dir"))
+        os.chmod(os.path.join(out, name), mode)
+    os.chmod(out, 0o500)
+"""
+
+
+def test_the_workers_cleanup_of_a_job_folder_changes_nothing_through_a_link(tmp_path: Path):
+    """The worker removes a job's folder when the job ends (jobs._job_folder). Where the child left a
+    folder unwritable, tempfile.TemporaryDirectory's cleanup (Python < 3.11.8) chmods each path it
+    cannot remove, and so a symlink's target outside the job. Run as a worker that is not root: the
+    folder goes, links and all, and the file and folder outside keep their modes."""
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    outside = tmp_path / "outside" / "file.txt"
+    outside.parent.mkdir()
+    outside.write_text("outside the job")
+    outside.chmod(0o644)
+    modes = {p: p.stat().st_mode for p in (outside, outside.parent)}
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run([*(CLEANUP_AS_NOT_ROOT if os.geteuid() == 0 else []), sys.executable, "-c", CLEANUP,
+                           str(work), str(outside)], capture_output=True, text=True, timeout=scaled(120))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p: p.stat().st_mode for p in modes} == modes
+    assert outside.read_text() == "outside the job"
+    assert list(work.iterdir()) == [], proc.stderr[-3000:]  # removed, the unwritable folders too

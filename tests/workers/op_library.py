@@ -74,7 +74,10 @@ class Twice(torch.nn.Module):
     def forward(self, x):
         return torch.ops.fxtest.twice(x) + 1
 
-torch.jit.save(torch.jit.script(Twice()), sys.argv[2])
+if sys.argv[2].endswith(".pt2"):
+    torch.export.save(torch.export.export(Twice(), (torch.randn(2, 3),)), sys.argv[2])
+else:
+    torch.jit.save(torch.jit.script(Twice()), sys.argv[2])
 """
 
 
@@ -112,7 +115,8 @@ def build(folder: Path, *, defines: tuple[str, ...] = ()) -> Path:
 
 
 def save_model(lib: Path, path: Path) -> Path:
-    """A TorchScript model that calls torch.ops.fxtest.twice (saved with `lib` loaded)."""
+    """A model that calls torch.ops.fxtest.twice, saved with `lib` loaded: a TorchScript archive, or a
+    torch.export program where `path` ends in .pt2."""
     script = path.with_suffix(".make.py")
     script.write_text(SAVE_MODEL)
     proc = subprocess.run([sys.executable, str(script), str(lib), str(path)], capture_output=True, text=True,

@@ -11,10 +11,12 @@ is one InputFormat entry there plus its loader.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import zipfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,13 +188,37 @@ def _load_pt2(path: Path) -> LoadedModel:
     from fxport.workers.engine.warm_caches import cache_pt2_type_hints
 
     cache_pt2_type_hints()
-    ep = torch.export.load(str(path))
+    with _deserializing_errors() as logged:
+        try:
+            ep = torch.export.load(str(path))
+        except RuntimeError as exc:
+            if logged:  # torch logs what went wrong, then raises a generic "error when deserializing"
+                raise logged[0] from exc
+            raise
     example = None
     if ep.example_inputs is not None:
         args, kwargs = ep.example_inputs
         if not kwargs:
             example = tuple(args)
     return LoadedModel(format="torch_export", module=ep.module(), exported_program=ep, example_inputs=example)
+
+
+@contextmanager
+def _deserializing_errors() -> Iterator[list[BaseException]]:
+    """The exceptions torch.export.load logs (with exc_info) instead of raising, in order, while inside."""
+    logged: list[BaseException] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.exc_info and isinstance(record.exc_info[1], BaseException):
+                logged.append(record.exc_info[1])
+
+    logger, handler = logging.getLogger("torch.export"), Keep(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield logged
+    finally:
+        logger.removeHandler(handler)
 
 
 def _load_torchscript(path: Path) -> LoadedModel:
@@ -275,6 +301,12 @@ _SHAPE = re.compile(r"size mismatch|shape|must match the size|Expected .* got|ex
                     r"dimension|Dimension out of range|expected scalar type|dtype", re.IGNORECASE)
 _VERSION = re.compile(r"version .*does not match|schema version|maximum supported version|newer version|"
                       r"this version of PyTorch|file format version|Saved archive version", re.IGNORECASE)
+# A custom op no loaded library registers. torch.jit.load: "Unknown builtin op: torchvision::nms.";
+# a graph calling torch.ops.NS.NAME: "'_OpNamespace' 'torchvision' object has no attribute 'nms'";
+# torch.export.load: "We failed to resolve torch.ops.torchvision.roi_align.default to an operator"
+_UNKNOWN_OP = re.compile(r"Unknown builtin op: ([\w:.]+?)\.?(?:\s|$)"
+                         r"|'_OpNamespace' '(\w+)' object has no attribute '(\w+)'"
+                         r"|failed to resolve torch\.ops\.(\w+)\.(\w+)")
 _PROCESS_MODULES = ("subprocess.py", "socket.py", "popen_fork.py", "popen_spawn_posix.py", "popen_forkserver.py")
 _PROCESS_CALLS = re.compile(r"\b(fork|vfork|spawn|Popen|subprocess|system|exec[lv]p?e?|socket|connect)\b")
 
@@ -291,6 +323,10 @@ def hint_for(exc: BaseException, default: str | None, *, when: str = "when it ru
     model uses a mocked module ("when it is loaded"); `made_by`, the other torch the archive says
     made it (`_pt2_made_by`: torch.export.load words a schema mismatch as a bare RuntimeError)."""
     chain = list(_causes(exc, context=False))
+    for err in chain:
+        op_hint = unknown_op_hint(str(err))
+        if op_hint is not None:
+            return op_hint
     for err in chain:
         mocked = _MOCKED.search(str(err))
         if isinstance(err, NotImplementedError) and mocked:
@@ -314,6 +350,21 @@ def hint_for(exc: BaseException, default: str | None, *, when: str = "when it ru
                       for err in chain):
         return SHAPES_HINT
     return default
+
+
+def unknown_op_hint(text: str) -> str | None:
+    """Where `text` says the model calls a custom op that no loaded library registers: which op, the
+    libraries this process loaded, and that FXPORT_OP_LIBRARIES is where its library goes. Else None."""
+    found = _UNKNOWN_OP.search(text)
+    if found is None:
+        return None
+    from fxport.toolchain import loaded_op_libraries
+
+    op = found.group(1) or "::".join(g for g in found.groups()[1:] if g)
+    return (f"the model calls the custom op {op}, which no loaded op library registers (FXPORT_OP_LIBRARIES: "
+            f"{', '.join(loaded_op_libraries()) or 'none set'}): the worker's operator adds the library that defines "
+            "it to FXPORT_OP_LIBRARIES (a module such as torchvision, or an absolute path to a shared library); "
+            "`fxport convert` reads the same variable")
 
 
 def _causes(exc: BaseException, *, context: bool) -> Iterator[BaseException]:

@@ -55,7 +55,7 @@ from fxport.workers.engine.exporters.registry import (
 )
 from fxport.workers.engine.graph_summary import graph_summary
 from fxport.workers.engine.inputs import InputSignature, resolve_signature
-from fxport.workers.engine.load import LoadedModel, load_model
+from fxport.workers.engine.load import LoadedModel, load_model, unknown_op_hint
 from fxport.workers.engine.onnx_input import check_onnx_targets, convert_onnx_upload
 from fxport.workers.engine.package import package_triton
 from fxport.workers.engine.passes import PassContext, run_passes
@@ -111,6 +111,7 @@ def convert_request(request: EngineRequest, *, on_progress: ProgressFn | None = 
         _convert(run)
         manifest.status = "succeeded"
     except FxportError as exc:
+        exc.hint = unknown_op_hint(exc.message) or exc.hint
         manifest.status, manifest.error = "failed", exc.record()
         raise
     except Exception as exc:  # an engine bug: still a clean, named failure

@@ -252,3 +252,42 @@ def replace_file(dir_fd: int, name: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def remove_tree(path: Path) -> None:
+    """Remove the folder `path` and everything in it, following no link the child made: a link is
+    removed itself, never what it points at, and a folder the child made unwritable is made
+    writable (0700) through its own descriptor, not by a name it could swap. (shutil.rmtree follows
+    no link but leaves such a folder; tempfile's cleanup chmods by name, CVE-2023-6597.) Raises
+    OSError or RecursionError where something could not be removed."""
+    head, name = os.path.split(os.fspath(path))
+    parent = os.open(head or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _remove_beneath(parent, name)
+    finally:
+        os.close(parent)
+
+
+def _remove_beneath(dir_fd: int, name: str) -> None:
+    try:
+        fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except NotADirectoryError:  # a file, a link (O_PATH | O_NOFOLLOW opens the link itself), a FIFO
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    except FileNotFoundError:
+        return
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", 0o700)  # the folder's own inode, whatever its name leads to now
+        listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+        try:
+            names = os.listdir(listing)
+        finally:
+            os.close(listing)
+        for entry in names:
+            _remove_beneath(fd, entry)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import resource
 import sys
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from fxport.errors import FxportError
+from typing import Any
 
 # What a job must have before the model runs (request["require"]): a layer's name → the keys of
 # `confine`'s report that make it up.
@@ -97,7 +93,6 @@ def run_request(request_path: str) -> int:
         result = SandboxResult(ok=True, manifest=convert_request(request.engine, on_progress=on_progress,
                                                                  report=False))
     except FxportError as exc:
-        _hint_unknown_op(exc, request.op_libraries)
         result = SandboxResult(ok=False, error=exc.record())
     except MemoryError:
         result = SandboxResult(ok=False, error=ErrorRecord(code="resource_limit",
@@ -141,25 +136,6 @@ def load_op_libraries(entries: Sequence[str]) -> None:
                 f"{str(exc)[:500]}", stage="load", field="FXPORT_OP_LIBRARIES",
                 hint=f"an operator makes each entry {where}, or removes it from FXPORT_OP_LIBRARIES") from exc
     note_op_libraries(op_library_records(entries))
-
-
-# torch.jit.load: "Unknown builtin op: torchvision::nms."; a graph calling torch.ops.NS.NAME:
-# "'_OpNamespace' 'torchvision' object has no attribute 'nms'"
-_UNKNOWN_OP = re.compile(r"Unknown builtin op: ([\w:.]+?)\.?(?:\s|$)"
-                         r"|'_OpNamespace' '(\w+)' object has no attribute '(\w+)'")
-
-
-def _hint_unknown_op(exc: FxportError, loaded: Sequence[str]) -> None:
-    """A model that calls a custom op no loaded library registers: say which op, which libraries
-    this child loaded, and that FXPORT_OP_LIBRARIES is where its library goes."""
-    found = _UNKNOWN_OP.search(exc.message)
-    if found is None:
-        return
-    op = found.group(1) or f"{found.group(2)}::{found.group(3)}"
-    exc.hint = (f"the model calls the custom op {op}, which no loaded op library registers (FXPORT_OP_LIBRARIES: "
-                f"{', '.join(loaded) or 'none set'}): the worker's operator adds the library that defines it to "
-                "FXPORT_OP_LIBRARIES (a module such as torchvision, or an absolute path to a shared library); "
-                "`fxport convert` reads the same variable")
 
 
 def _report_layers(events: int, info: dict[str, Any]) -> None:

@@ -102,6 +102,15 @@ REFUSED_SYSCALLS: dict[str, tuple[int, int | None]] = {  # None: not on that arc
     # watching files another job opens in the shared package folders; another process's memory
     "inotify_init": (253, None), "inotify_init1": (294, 26), "fanotify_init": (300, 262),
     "process_madvise": (440, 440), "process_mrelease": (448, 448),
+    # a file's metadata by its path: Landlock governs reads and writes, not these, so a child could
+    # chmod, chown, re-time or tag any file its uid owns outside its job (another job's folder, the
+    # worker's own files). fchmod and fchown stay: they need a descriptor, which Landlock bounds
+    # (the fx_source exporter sets its weights file's mode so).
+    "chmod": (90, None), "fchmodat": (268, 53), "fchmodat2": (452, 452),
+    "chown": (92, None), "lchown": (94, None), "fchownat": (260, 54),
+    "utime": (132, None), "utimes": (235, None), "futimesat": (261, None), "utimensat": (280, 88),
+    "setxattr": (188, 5), "lsetxattr": (189, 6), "fsetxattr": (190, 7), "setxattrat": (463, 463),
+    "removexattr": (197, 14), "lremovexattr": (198, 15), "fremovexattr": (199, 16), "removexattrat": (466, 466),
 }
 # Calls that act on another process of the same uid when given its pid (issue 40: a model set
 # RLIMIT_CPU on the Celery master, RLIMIT_AS on another tenant's child, reniced the zygote): allowed

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import platform
-import shutil
 import signal
 import stat
 import tempfile
@@ -116,7 +115,10 @@ def run_engine_job(
         _keep_failed_outputs(out_dir, child.sandbox_record())
         raise
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            beneath.remove_tree(work)  # what the child left, a folder it made unwritable included
+        except (OSError, RecursionError) as exc:
+            log.warning("could not remove the sandbox's folder %s: %s", work, exc)
     with beneath.opened_dir(out_dir) as out_fd:
         beneath.replace_file(out_fd, "manifest.json", manifest.to_json().encode())
     draw_report(out_dir)

@@ -20,7 +20,7 @@ import torch
 
 from fxport.errors import InvalidInput
 from fxport.spec import parse_spec
-from fxport.workers.engine.load import SANDBOX_HINT, SHAPES_HINT, load_model
+from fxport.workers.engine.load import LOAD_HINT, SANDBOX_HINT, SHAPES_HINT, hint_for, load_model
 from fxport.workers.engine.pipeline import convert
 from tests.client.packaged import UNTRACEABLE, package_model
 
@@ -236,3 +236,16 @@ def test_a_model_that_calls_torch_compile_is_told_the_sandbox_forbids_it(tmp_pat
     proc = _convert_in_sandbox(package_model(COMPILES, "hint_compiles", tmp_path / "src"), tmp_path)
     _says_the_sandbox_refused(proc)
     assert "InductorError" in proc.stderr
+
+
+@pytest.mark.parametrize("words, op", [
+    ("Unknown builtin op: torchvision::nms.\nCould not find any similar ops", "torchvision::nms"),  # torch.jit.load
+    ("'_OpNamespace' 'torchvision' object has no attribute 'roi_align'", "torchvision::roi_align"),  # a graph's call
+    ("We failed to resolve torch.ops.torchvision.roi_align.default to an operator.", "torchvision::roi_align"),
+])
+def test_a_custom_op_no_library_registers_is_named_with_the_setting(words: str, op: str) -> None:
+    """Each way torch says an op is unknown (tests/workers/test_op_libraries.py: with a real library)."""
+    hint = hint_for(RuntimeError(words), LOAD_HINT)
+    assert hint is not None and f"calls the custom op {op}, which no loaded op library registers" in hint
+    assert "FXPORT_OP_LIBRARIES" in hint
+    assert hint_for(RuntimeError("Unknown type annotation"), LOAD_HINT) == LOAD_HINT

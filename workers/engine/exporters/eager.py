@@ -129,7 +129,7 @@ class OnnxFromEagerModule:
                 hint=f"set spec.onnx.opset to {LEGACY_ONNX_MAX_OPSET} or lower")
         why_traced = self._from_scripted(path)
         if why_traced is None:
-            return check_onnx(path, self.opset, single_file=self.single_file, notes=self._notes)
+            return check_onnx(path, self.opset)
         log = io.StringIO()
         try:
             self._export(self.module, path, log)
@@ -141,10 +141,7 @@ class OnnxFromEagerModule:
             ) from exc
         self.note = (f"traced from the eager model by the TorchScript-based exporter (dynamo=False), as {why_traced}: "
                      "a trace keeps the example's path through Python control flow (its loop counts, its branches)")
-        return check_onnx(path, self.opset, single_file=self.single_file, notes=self._notes)
-
-    def _notes(self, note: str) -> None:
-        self.note = f"{self.note}; {note}" if self.note else note
+        return check_onnx(path, self.opset)
 
     def _from_scripted(self, path: Path) -> str | None:
         """The ONNX model of the scripted model at `path`, run and matched; None when it is there, else why not."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,7 +52,8 @@ class OnnxFromGraphModule:
         self.note = ""
 
     def __call__(self, path: Path) -> Path:
-
+        if self.single_file:
+            _refuse_past_one_protobuf(_weight_bytes(self.gm))  # before minutes of export, and gigabytes of disk
         if self.opset < TORCH_EXPORT_MIN_OPSET:
             self._export_from_trace(path)
             return self._checked(path)
@@ -101,7 +103,9 @@ class OnnxFromGraphModule:
                 input_names=self.input_names,
                 dynamic_shapes=self.dynamic_shapes,
                 opset_version=self.opset,
-                external_data=not self.single_file,
+                # weights beside the model, always: one file is then written a tensor at a time (as_one_file),
+                # where torch's own one-file save holds about three more copies of them in memory
+                external_data=True,
                 optimize=True,
                 verbose=False,
             )
@@ -117,10 +121,7 @@ class OnnxFromGraphModule:
         )
 
     def _checked(self, path: Path, written_opset: int | None = None) -> Path:
-        return check_onnx(path, self.opset, written_opset, single_file=self.single_file, notes=self._notes)
-
-    def _notes(self, note: str) -> None:
-        self.note = f"{self.note}; {note}" if self.note else note
+        return check_onnx(path, self.opset, written_opset)
 
     def _export_from_trace(self, path: Path) -> None:
         from fxport.workers.engine.exporters.torchscript import TorchScriptFromGraphModule
@@ -148,44 +149,130 @@ class OnnxFromGraphModule:
 PROTOBUF_LIMIT = 2 << 30
 
 
-def as_one_file(path: Path, limit: int = PROTOBUF_LIMIT) -> str | None:
-    """Keep `spec.onnx.single_file`: torch's exporter moves the weights to an external data file
-    past about 1.5 GB whatever it is asked. Such weights are put back into the model file while
-    they fit in one protobuf (`limit`); past it the export fails, naming the limit and the way out.
-    Returns a note for the manifest when the file was rewritten, else None."""
+def as_one_file(path: Path, limit: int | None = None) -> int:
+    """Keep `spec.onnx.single_file`: put weights the exporter wrote to external data files back into
+    model.onnx, while they fit in one protobuf (`limit`); past it the export fails, naming the limit
+    and the way out. Returns the bytes put back (0: the model was one file already).
+
+    Streamed: the model without its weights, then each weight as a message of its own holding just
+    that tensor, its bytes copied from the data file to model.onnx by the kernel. Protobuf merges
+    such messages when it reads the file (an embedded message's repeated fields concatenate, in
+    order), so the file reads back as the model `onnx.save` would write, while no weight is ever in
+    this process's memory (a one-file save holds the model and its serialized bytes: about three
+    times the weights, measured in bench/bench_model_bytes.py)."""
     import onnx
-    from onnx.external_data_helper import uses_external_data
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
     model = onnx.load(str(path), load_external_data=False)
-    external = [t for t in model.graph.initializer if uses_external_data(t)]
-    if not external:
-        return None
-    files = {path.parent / e.value for t in external for e in t.external_data if e.key == "location"}
-    size = sum(f.stat().st_size for f in files if f.is_file())
-    if size + model.ByteSize() >= limit:
+    initializers = list(model.graph.initializer)
+    places = {id(t): ExternalDataInfo(t) for t in initializers if uses_external_data(t)}
+    if not places:  # torch writes its data file even when every tensor stayed inside (then empty)
+        path.with_name(path.name + ".data").unlink(missing_ok=True)
+        return 0
+    files = {info.location for info in places.values()}
+    if any(Path(name).name != name or name in ("", ".", "..") for name in files) or _external_elsewhere(model):
+        raise ConversionFailed(f"the ONNX exporter wrote its weights where fxport does not read them: {sorted(files)}",
+                               stage="export", hint="set onnx.single_file: false")
+    sizes = {name: (path.parent / name).stat().st_size for name in files}
+    _refuse_past_one_protobuf(sum(sizes.values()) + model.ByteSize(), limit)
+    del model.graph.initializer[:]
+    one_file = path.with_name(f".{path.name}.one")
+    put_back = 0
+    with open(one_file, "wb") as out:
+        out.write(model.SerializeToString())
+        for tensor in initializers:
+            info = places.get(id(tensor))
+            if info is None:
+                out.write(_as_initializer(tensor.SerializeToString(), 0))
+                continue
+            offset = info.offset or 0
+            length = info.length if info.length is not None else sizes[info.location] - offset
+            meta = onnx.TensorProto()
+            meta.CopyFrom(tensor)
+            for name in ("external_data", "data_location", "raw_data"):
+                meta.ClearField(name)
+            out.write(_as_initializer(meta.SerializeToString() + _field(9, length), length))  # 9: raw_data
+            out.flush()
+            with open(path.parent / info.location, "rb") as data:
+                _copy_range(data.fileno(), out.fileno(), offset, length)
+            put_back += length
+    os.replace(one_file, path)
+    for name in files:
+        (path.parent / name).unlink(missing_ok=True)
+    return put_back
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, length: int) -> bytes:
+    """The key and length of a length-delimited field (wire type 2) whose `length` bytes follow."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def _as_initializer(tensor_head: bytes, rest: int) -> bytes:
+    """ModelProto.graph (7) → GraphProto.initializer (5) around one TensorProto of len(tensor_head) + `rest` bytes,
+    `rest` of which the caller writes after this."""
+    tensor = len(tensor_head) + rest
+    initializer = _field(5, tensor)
+    return _field(7, len(initializer) + tensor) + initializer + tensor_head
+
+
+def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    """`length` bytes of the file `src` from `offset`, appended to `dst` (in the kernel where it can)."""
+    while length > 0:
+        try:
+            done = os.copy_file_range(src, dst, length, offset)
+        except OSError:  # a filesystem or kernel without it: through a buffer
+            chunk = os.pread(src, min(length, 64 << 20), offset)
+            with open(dst, "ab", closefd=False) as out:
+                out.write(chunk)
+            done = len(chunk)
+        if done == 0:
+            raise ConversionFailed("an ONNX external data file ended before its tensor did", stage="export")
+        offset, length = offset + done, length - done
+
+
+def _external_elsewhere(model: Any) -> bool:
+    """Whether a tensor other than a top-level initializer (a node's attribute, a subgraph's) has
+    external data: torch's exporter externalizes initializers only, and as_one_file writes those."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    top = {id(t) for t in model.graph.initializer}
+    return any(uses_external_data(t) and id(t) not in top for t in _get_all_tensors(model))
+
+
+def _weight_bytes(gm: Any) -> int:
+    """The bytes of the graph's parameters and buffers, each storage once: a lower bound of what the
+    ONNX model's weights come to (its tensor constants are left out; as_one_file counts them all)."""
+    seen: dict[int, int] = {}
+    for tensor in {**dict(gm.named_parameters()), **dict(gm.named_buffers())}.values():
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _refuse_past_one_protobuf(size: int, limit: int | None = None) -> None:
+    limit = PROTOBUF_LIMIT if limit is None else limit
+    if size >= limit:
         raise ConversionFailed(
             f"the ONNX model's weights are {size} bytes: one ONNX file holds at most {limit} bytes (protobuf's "
             "limit), and spec.onnx.single_file is true", stage="export",
             hint="set onnx.single_file: false to get model.onnx with its weights in an external data file beside it")
-    onnx.load_external_data_for_model(model, str(path.parent))
-    onnx.save_model(model, str(path), save_as_external_data=False)
-    for f in files:
-        f.unlink(missing_ok=True)
-    return (f"the exporter wrote {size} bytes of weights to an external data file; they were put back into "
-            "model.onnx (spec.onnx.single_file)")
 
 
-def check_onnx(path: Path, opset: int, written_opset: int | None = None, *, single_file: bool = False,
-               notes: Callable[[str], None] | None = None) -> Path:
+def check_onnx(path: Path, opset: int, written_opset: int | None = None) -> Path:
     """onnx.checker's full check, and the opset asked for (`written_opset`: the one the exporter
-    says it wrote; read from the file when None). `single_file`: the weights in model.onnx itself
-    (as_one_file; what it did goes to `notes`). Raises ConversionFailed."""
+    says it wrote; read from the file when None). Raises ConversionFailed. (The weights may still be
+    beside the model: publish.export_one puts them into it, as_one_file, once the model is final.)"""
     import onnx
 
-    if single_file:
-        note = as_one_file(path)
-        if note is not None and notes is not None:
-            notes(note)
 
     try:
         onnx.checker.check_model(str(path), full_check=True)

@@ -114,6 +114,9 @@ class TorchScriptRunner(Runner):
             warnings.simplefilter("ignore")
             self.module = torch.jit.load(str(self.path), map_location="cpu")
 
+    def deactivate(self) -> None:  # its weights freed before the next artifact loads its own
+        self.module = None
+
     def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -134,7 +137,10 @@ class ExportedProgramRunner(Runner):
         from fxport.workers.engine.warm_caches import cache_pt2_type_hints
 
         cache_pt2_type_hints()
-        self.module = torch.export.load(str(self.path)).module()
+        self.module: Any = torch.export.load(str(self.path)).module()
+
+    def deactivate(self) -> None:
+        self.module = None
 
     def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
         with torch.no_grad():
@@ -165,6 +171,9 @@ class FxSourceRunner(Runner):
         finally:
             sys.modules.pop(mod_name, None)
             sys.dont_write_bytecode = writes_bytecode
+
+    def deactivate(self) -> None:
+        self.module = None
 
     def infer(self, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
         with torch.no_grad():
