@@ -39,8 +39,11 @@ def export_one(target: str, writer: Writer, job: ExportJob, out_dir: Path
     out_dir. So a file under its artifact name is always whole: the worker uploads files
     while the engine still exports (workers/artifact_upload.py) and never catches one half-written."""
     from fxport.workers.engine.exporters.interface import finish_onnx
-    from fxport.workers.engine.exporters.onnx import as_one_file
+    from fxport.workers.engine.exporters.onnx import as_one_file, refuse_past_one_protobuf, weight_bytes
 
+    one_file = REGISTRY[target].onnx and job.spec.onnx.single_file
+    if one_file:  # weights past one protobuf: refused before minutes of export and gigabytes of disk
+        refuse_past_one_protobuf(weight_bytes(job.graph if job.graph is not None else job.module))
     staging = out_dir / WRITING_DIR
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -50,7 +53,7 @@ def export_one(target: str, writer: Writer, job: ExportJob, out_dir: Path
         if REGISTRY[target].onnx:  # names and provenance, before anyone can upload it
             interface = finish_onnx(written, input_shapes=[(i.name, i.shape) for i in job.sig.inputs],
                                     output_names=job.spec.outputs, provenance=job.provenance)
-            if job.spec.onnx.single_file:  # last: the steps above read and rewrite the model without its weights
+            if one_file:  # last: the steps above read and rewrite the model without its weights
                 as_one_file(written)
         return _publish(staging, written, out_dir), note, interface
     finally:

@@ -52,8 +52,6 @@ class OnnxFromGraphModule:
         self.note = ""
 
     def __call__(self, path: Path) -> Path:
-        if self.single_file:
-            _refuse_past_one_protobuf(_weight_bytes(self.gm))  # before minutes of export, and gigabytes of disk
         if self.opset < TORCH_EXPORT_MIN_OPSET:
             self._export_from_trace(path)
             return self._checked(path)
@@ -174,7 +172,7 @@ def as_one_file(path: Path, limit: int | None = None) -> int:
         raise ConversionFailed(f"the ONNX exporter wrote its weights where fxport does not read them: {sorted(files)}",
                                stage="export", hint="set onnx.single_file: false")
     sizes = {name: (path.parent / name).stat().st_size for name in files}
-    _refuse_past_one_protobuf(sum(sizes.values()) + model.ByteSize(), limit)
+    refuse_past_one_protobuf(sum(sizes.values()) + model.ByteSize(), limit)
     del model.graph.initializer[:]
     one_file = path.with_name(f".{path.name}.one")
     put_back = 0
@@ -248,17 +246,17 @@ def _external_elsewhere(model: Any) -> bool:
     return any(uses_external_data(t) and id(t) not in top for t in _get_all_tensors(model))
 
 
-def _weight_bytes(gm: Any) -> int:
-    """The bytes of the graph's parameters and buffers, each storage once: a lower bound of what the
-    ONNX model's weights come to (its tensor constants are left out; as_one_file counts them all)."""
+def weight_bytes(module: Any) -> int:
+    """The bytes of a module's parameters and buffers, each storage once: a lower bound of what its
+    ONNX model's weights come to (tensor constants are left out; as_one_file counts them all)."""
     seen: dict[int, int] = {}
-    for tensor in {**dict(gm.named_parameters()), **dict(gm.named_buffers())}.values():
+    for tensor in [*module.parameters(), *module.buffers()]:
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
-def _refuse_past_one_protobuf(size: int, limit: int | None = None) -> None:
+def refuse_past_one_protobuf(size: int, limit: int | None = None) -> None:
     limit = PROTOBUF_LIMIT if limit is None else limit
     if size >= limit:
         raise ConversionFailed(
